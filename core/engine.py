@@ -1,0 +1,84 @@
+"""The engine core: admit and abort, schedule, execute, report."""
+from __future__ import annotations
+
+import random
+
+from headrace.core.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from headrace.core.protocol import EngineCoreOutput, EngineCoreRequest, PositionLogprobs
+from headrace.core.request import Request
+from headrace.core.scheduler import Scheduler
+from headrace.executor.model_runner import ModelRunner
+from headrace.executor.models.loader import resolve_model_path
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        self.model_config = ModelConfig.from_dir(resolve_model_path(args.model))
+        max_model_len = args.resolve_max_model_len(self.model_config)
+        self.sched_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        self.executor = ModelRunner(self.model_config, self.sched_config, args)
+        self.cache_config = CacheConfig(args.block_size, self.executor.num_blocks, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.sched_config, self.cache_config)
+        self._rng = random.Random(args.seed)  # seeds for requests that bring none
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Admit a validated request; raises ValueError for one the core cannot serve."""
+        sp = req.sampling_params
+        n = len(req.prompt_token_ids)
+        limit = self.sched_config.max_model_len
+        if n == 0:
+            raise ValueError(f"request {req.request_id!r}: the prompt is empty")
+        if n >= limit:
+            raise ValueError(
+                f"request {req.request_id!r}: the prompt has {n} tokens, but max_model_len is {limit} "
+                f"(at most {limit - 1} prompt tokens, leaving room to generate one)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {req.request_id!r}: prompt token ids {bad[:5]} are outside [0, {vocab})")
+        seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
+        self.scheduler.add_request(
+            Request(req.request_id, req.prompt_token_ids, sp, self.model_config.eos_token_ids, seed, req.arrival_time)
+        )
+
+    def abort(self, request_ids) -> list[str]:
+        return self.scheduler.abort(request_ids)
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.num_scheduled_tokens:
+            return []
+        result = self.executor.execute(sched)
+        updates = self.scheduler.update(sched, result.sampled_token_ids)
+        outputs = []
+        for u in updates:
+            req = u.req
+            out = EngineCoreOutput(
+                request_id=req.request_id,
+                new_token_ids=u.new_token_ids,
+                finish_reason=u.finish_reason,
+                stop_reason=u.stop_reason,
+                num_cached_tokens=req.num_cached_tokens,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finished_time=req.finished_time,
+            )
+            if result.logprobs is not None and req.sampling_params.logprobs is not None:
+                n = 1 + req.sampling_params.logprobs
+                lp = result.logprobs
+                out.new_logprobs = [
+                    PositionLogprobs(
+                        lp.token_ids[u.row, :n].tolist(), lp.logprobs[u.row, :n].tolist(), int(lp.sampled_ranks[u.row])
+                    )
+                ]
+            outputs.append(out)
+        return outputs

@@ -1,0 +1,52 @@
+"""SamplingParams: how one request generates, validated at construction."""
+from __future__ import annotations
+
+import msgspec
+
+# Largest number of top logprobs a request may ask for per position.
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """vLLM-compatible generation parameters of one request.
+
+    temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1 and
+    min_p 0 disable those filters. max_tokens None generates until the
+    model's length limit. logprobs N returns the top-N log-probabilities of
+    each generated position plus the sampled token's.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

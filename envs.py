@@ -1,0 +1,21 @@
+"""Every environment variable headrace reads, in one place, each with a HEADRACE_ prefix."""
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """HEADRACE_CACHE_DIR: where built artifacts (the demo checkpoint) are cached."""
+    base = os.environ.get("HEADRACE_CACHE_DIR")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "headrace"
+
+
+def log_level() -> str:
+    """HEADRACE_LOG_LEVEL: the level of headrace's loggers (default INFO)."""
+    return os.environ.get("HEADRACE_LOG_LEVEL", "INFO").upper()
+
+
+def cpu_kv_cache_gb() -> float:
+    """HEADRACE_CPU_KV_CACHE_GB: the most memory the KV pool may take on the CPU (default 4)."""
+    return float(os.environ.get("HEADRACE_CPU_KV_CACHE_GB", "4"))

@@ -1,0 +1,44 @@
+"""The attention layer over the paged KV cache, and its per-step metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headrace.kernels.attention import paged_attention_ref, write_kv_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's queries sit and which cache blocks they read."""
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, batch row -> first query token
+    seq_lens: torch.Tensor  # [num_reqs] int32, tokens in the cache after this step
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, batch row -> block ids
+    slot_mapping: torch.Tensor  # [num_tokens] int64, token -> flat cache slot
+    query_start_loc_cpu: list[int]  # host copies for the torch path
+    seq_lens_cpu: list[int]
+
+
+class Attention(nn.Module):
+    """Writes this step's keys and values to the cache, then attends over it.
+
+    kv_cache is bound by the model runner after it sizes the KV pool:
+    [2, num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        write_kv_ref(k, v, self.kv_cache, meta.slot_mapping)
+        return paged_attention_ref(
+            q, self.kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables, self.scale
+        )

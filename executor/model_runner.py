@@ -1,0 +1,120 @@
+"""The model runner: slots, staged writes, the model and the sampler, one step at a time."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from headrace import envs
+from headrace.core.config import ConfigError, EngineArgs, ModelConfig, SchedulerConfig
+from headrace.core.scheduler import SchedulerOutput
+from headrace.executor.input_batch import prepare_inputs
+from headrace.executor.models.loader import load_model
+from headrace.executor.sampler import SampledLogprobs, sample
+from headrace.executor.states import RequestStates
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # batch order
+    sampled_token_ids: list[int]  # batch row -> sampled token (meaningless for prefill-chunk rows)
+    logprobs: SampledLogprobs | None
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes over all layers."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """'auto': the checkpoint's dtype on a GPU (bfloat16 for a float32
+    checkpoint), float32 on the CPU."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if checkpoint_dtype == "float32" else getattr(torch, checkpoint_dtype)
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> None:
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, self.device)
+        self.block_size = args.block_size
+        self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len)
+        self.num_blocks = self._num_blocks(model_cfg, sched_cfg, args)
+        shape = (2, self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append(layer.kv_cache)
+        max_blocks_per_req = -(-sched_cfg.max_model_len // self.block_size)
+        self.states = RequestStates(sched_cfg.max_num_seqs, sched_cfg.max_model_len, max_blocks_per_req, self.device)
+
+    def _num_blocks(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> int:
+        per_seq = -(-sched_cfg.max_model_len // self.block_size)
+        if args.num_kv_blocks is not None:
+            if args.num_kv_blocks < per_seq:
+                raise ConfigError(
+                    f"num_kv_blocks={args.num_kv_blocks} cannot hold one sequence of max_model_len="
+                    f"{sched_cfg.max_model_len} tokens ({per_seq} blocks of {self.block_size}); "
+                    f"raise num_kv_blocks or lower max_model_len"
+                )
+            return args.num_kv_blocks
+        block_bytes = kv_block_bytes(model_cfg, self.block_size, self.dtype)
+        if self.device.type == "cpu":
+            budget = envs.cpu_kv_cache_gb() * 2**30
+        else:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = 0.9 * free
+        num_blocks = min(per_seq * sched_cfg.max_num_seqs, int(budget // block_bytes))
+        if num_blocks < per_seq:
+            raise ConfigError(
+                f"the KV memory budget ({budget / 2**30:.2f} GiB) cannot hold one sequence of "
+                f"max_model_len={sched_cfg.max_model_len} tokens; lower max_model_len"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        states = self.states
+        for req_id in sched.finished_req_ids:
+            states.remove(req_id)
+        for new in sched.new_reqs:
+            states.add(new)
+        for cached in sched.cached_reqs:
+            states.update(cached)
+        states.apply_staged()
+
+        batch = prepare_inputs(states, sched.num_scheduled_tokens, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sampled, logprobs = sample(logits, batch, states)
+        self._advance(batch, sampled)
+        return ModelRunnerOutput(batch.req_ids, sampled.tolist(), logprobs)
+
+    def _advance(self, batch, sampled: torch.Tensor) -> None:
+        """Move each slot past this step on the device and the host: computed
+        counts grow by the scheduled tokens, and rows that computed their
+        last known token append the sampled one (the next step reads it from
+        the device, not from the host)."""
+        states = self.states
+        slots = batch.idx_mapping_np
+        states.num_computed.np[slots] = batch.seq_lens_np
+        states.num_computed.gpu[batch.idx_mapping] += batch.num_scheduled
+        rows = np.nonzero(batch.seq_lens_np == states.num_tokens[slots])[0]  # rows that produce a token
+        if rows.size:
+            pos = states.num_tokens[slots[rows]]
+            rows_t = torch.from_numpy(rows).to(self.device)
+            pos_t = torch.from_numpy(pos).to(self.device)
+            states.token_ids.gpu[batch.idx_mapping[rows_t], pos_t] = sampled[rows_t].to(torch.int32)
+            states.num_tokens[slots[rows]] += 1
