@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny checkpoints, their transformers reference, engine helpers."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from headrace import LLM
+from headrace.testing import make_checkpoint
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+# Per-arch shapes that exercise GQA, explicit head_dim, tied embeddings and q/k/v bias.
+ARCH_KWARGS = {
+    "llama": dict(num_heads=4, num_kv_heads=2),
+    "qwen2": dict(num_heads=4, num_kv_heads=1),
+    "qwen3": dict(num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
+}
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(ckpt_dir):
+    """checkpoint(arch, **kwargs) -> path, built once per distinct arguments."""
+    built = {}
+
+    def build(arch: str, **kwargs):
+        key = arch + "".join(f"-{k}={v}" for k, v in sorted(kwargs.items()))
+        if key not in built:
+            built[key] = make_checkpoint(ckpt_dir / f"c{len(built)}", arch, **{**ARCH_KWARGS[arch], **kwargs})
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """hf_model(path) -> the transformers model, float32, eval mode."""
+
+    @functools.cache
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    return load
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate, one prompt at a time (no padding)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, attention_mask=None
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits for every position of token_ids: [len, vocab]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return logits.log_softmax(-1)
+
+
+def assert_blocks_free(llm: LLM) -> None:
+    """Every KV block is back in the pool and no request or slot is left behind."""
+    engine = llm.engine
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == engine.cache_config.num_blocks
+    assert all(c == 0 for c in kv.pool.ref_counts)
+    assert not engine.scheduler.requests
+    assert not engine.scheduler.running and not engine.scheduler.waiting
