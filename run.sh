@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Set up and run headrace on a fresh machine:
+#   ./run.sh demo    offline generate on the built-in demo checkpoint
+#   ./run.sh test    the test suite
+# Both create .venv (or $HEADRACE_VENV) and install what they need. Without an
+# NVIDIA GPU torch is pinned to a CPU build; HEADRACE_TORCH_SPEC overrides the
+# torch requirement (e.g. "torch==2.13.0" plus pip options of your own).
+set -euo pipefail
+cd "$(dirname "$0")"
+venv="${HEADRACE_VENV:-.venv}"
+cmd="${1:-}"
+case "$cmd" in demo|test) ;; *) echo "usage: $0 demo|test [args...]" >&2; exit 2 ;; esac
+shift
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+stamp="$venv/.headrace-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    torch_spec="${HEADRACE_TORCH_SPEC:-torch>=2.11}"
+  else
+    torch_spec="${HEADRACE_TORCH_SPEC:-torch==2.13.0}"
+  fi
+  "$py" -m pip install -q --upgrade pip
+  # shellcheck disable=SC2086
+  "$py" -m pip install -q $torch_spec
+  "$py" -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi
+
+case "$cmd" in
+  demo) exec "$venv/bin/headrace" generate "$@" ;;
+  test) exec "$py" -m pytest -q "$@" ;;
+esac
