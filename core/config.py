@@ -156,7 +156,10 @@ def _rope(cfg: dict) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or {})
     field_name = "rope_parameters"
     if cfg.get("rope_scaling"):
-        params = {**params, **cfg["rope_scaling"]}
+        scaling = dict(cfg["rope_scaling"])
+        if "type" in scaling:  # the older spelling of rope_type
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        params = {**params, **scaling}
         field_name = "rope_scaling"
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))

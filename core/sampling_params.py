@@ -28,6 +28,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name, types in _TYPES.items():
+            value = getattr(self, name)
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                raise ValueError(f"{name} must be of type {' or '.join(t.__name__ for t in types)}, got {value!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
         if not self.temperature >= 0.0:
@@ -50,3 +56,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+_TYPES = {
+    "n": (int,),
+    "temperature": (float, int),
+    "top_p": (float, int),
+    "top_k": (int,),
+    "min_p": (float, int),
+    "seed": (int, type(None)),
+    "max_tokens": (int, type(None)),
+    "ignore_eos": (bool,),
+    "stop_token_ids": (list,),
+    "logprobs": (int, type(None)),
+}

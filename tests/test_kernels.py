@@ -1,0 +1,97 @@
+"""Torch references in kernels/ against plain dense computations."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from headrace.kernels.attention import paged_attention_ref, write_kv_ref
+from headrace.kernels.sampling import gumbel_ref, uniform_ref
+
+
+def dense_causal_attention(q, k, v, scale):
+    """q: [q_len, H, D] for the last q_len of k/v's [L, Hkv, D]; float64 reference."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, 1)
+    v = v.double().repeat_interleave(group, 1)
+    L, n = k.shape[0], q.shape[0]
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    mask = torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None]
+    return torch.einsum("hqk,khd->qhd", s.masked_fill(mask, -math.inf).softmax(-1), v)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+def test_paged_attention_matches_dense(block_size, heads):
+    g = torch.Generator().manual_seed(block_size * 100 + heads[0] * 10 + heads[1])
+    num_heads, num_kv_heads = heads
+    head_dim = 16
+    # (cached tokens, new query tokens) per request: decode rows, a fresh prefill, a chunk over a prefix
+    reqs = [(0, 5), (9, 1), (30, 7), (0, 1), (47, 1), (16, 16)]
+    max_blocks = max(-(-(c + n) // block_size) for c, n in reqs)
+    num_blocks = len(reqs) * max_blocks + 3
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g)  # blocks scattered through the pool
+    block_tables = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
+    qs, ks, vs, slots, qsl, seq_lens, full = [], [], [], [], [0], [], []
+    for i, (cached, n) in enumerate(reqs):
+        L = cached + n
+        blocks = perm[i * max_blocks : (i + 1) * max_blocks]
+        block_tables[i] = blocks.int()
+        k_all = torch.randn(L, num_kv_heads, head_dim, generator=g)
+        v_all = torch.randn(L, num_kv_heads, head_dim, generator=g)
+        pos = torch.arange(L)
+        flat = blocks[pos // block_size] * block_size + pos % block_size
+        kv_cache.view(2, -1, num_kv_heads, head_dim)[0, flat[:cached]] = k_all[:cached]
+        kv_cache.view(2, -1, num_kv_heads, head_dim)[1, flat[:cached]] = v_all[:cached]
+        qs.append(torch.randn(n, num_heads, head_dim, generator=g))
+        ks.append(k_all[cached:])
+        vs.append(v_all[cached:])
+        slots.append(flat[cached:])
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(L)
+        full.append((k_all, v_all))
+    q = torch.cat(qs)
+    slot_mapping = torch.cat(slots)
+    slot_mapping = torch.cat([slot_mapping, torch.tensor([-1])])  # a padding token is skipped
+    write_kv_ref(torch.cat(ks + [torch.randn(1, num_kv_heads, head_dim)]),
+                 torch.cat(vs + [torch.randn(1, num_kv_heads, head_dim)]), kv_cache, slot_mapping)
+    out = paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, head_dim**-0.5)
+    for i, (k_all, v_all) in enumerate(full):
+        ref = dense_causal_attention(qs[i], k_all, v_all, head_dim**-0.5)
+        torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_uniform_is_a_function_of_seed_and_position():
+    seeds = torch.tensor([0, 1, -5, 2**62, 0], dtype=torch.int64)
+    pos = torch.tensor([0, 0, 3, 7, 1], dtype=torch.int64)
+    u = uniform_ref(seeds, pos, 1000)
+    assert ((u > 0) & (u < 1)).all()
+    again = uniform_ref(seeds.flip(0), pos.flip(0), 1000).flip(0)  # order within the batch is irrelevant
+    assert torch.equal(u, again)
+    assert not torch.equal(u[0], u[4])  # same seed, other position
+    assert not torch.equal(u[0], u[1])  # other seed
+
+
+def test_uniform_statistics():
+    u = uniform_ref(torch.arange(64, dtype=torch.int64) * 7919, torch.arange(64, dtype=torch.int64), 4096).flatten()
+    hist = torch.histc(u.float(), bins=16, min=0, max=1)
+    expected = u.numel() / 16
+    chi2 = (((hist - expected) ** 2) / expected).sum().item()
+    assert chi2 < 40  # 15 degrees of freedom: p < 0.001 would be about 37.7; a biased source lands far above
+    assert abs(u.mean().item() - 0.5) < 0.005
+    # neighbouring token ids are not correlated
+    c = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()
+    assert abs(c) < 0.01
+
+
+def test_gumbel_max_samples_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(12) * 1.5
+    n = 40000
+    noise = gumbel_ref(torch.arange(n, dtype=torch.int64), torch.full((n,), 5, dtype=torch.int64), 12)
+    counts = torch.bincount((logits[None] + noise).argmax(-1), minlength=12).double()
+    expected = logits.softmax(-1).double() * n
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 35  # 11 degrees of freedom, p ~ 0.0003

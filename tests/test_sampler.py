@@ -1,0 +1,106 @@
+"""The sampler's filters against transformers' logits warpers, and its edge cases."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from headrace.core.sampling_params import SamplingParams
+from headrace.executor.sampler import _apply_filters, sample
+from headrace.executor.states import RequestStates
+from headrace.core.scheduler import NewRequestData
+
+
+class _Batch:
+    """The fields of InputBatch that the sampler reads."""
+
+    def __init__(self, slots, seq_lens):
+        self.idx_mapping_np = np.asarray(slots, dtype=np.int64)
+        self.idx_mapping = torch.from_numpy(self.idx_mapping_np)
+        self.seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
+
+
+def make_states(params: list[SamplingParams], seeds=None) -> tuple[RequestStates, _Batch]:
+    states = RequestStates(len(params) + 2, 64, 4, torch.device("cpu"))
+    for i, sp in enumerate(params):
+        seed = seeds[i] if seeds else i
+        states.add(NewRequestData(f"r{i}", [1, 2, 3], [0], 0, sp, seed))
+    states.apply_staged()
+    slots = [states.req_to_slot[f"r{i}"] for i in range(len(params))]
+    return states, _Batch(slots, [3] * len(params))
+
+
+def hf_filtered(logits, sp: SamplingParams):
+    scores = TemperatureLogitsWarper(sp.temperature)(None, logits.clone())
+    if sp.top_k > 0:
+        scores = TopKLogitsWarper(sp.top_k)(None, scores)
+    if sp.top_p < 1:
+        scores = TopPLogitsWarper(sp.top_p)(None, scores)
+    if sp.min_p > 0:
+        scores = MinPLogitsWarper(sp.min_p)(None, scores)
+    return scores
+
+
+CASES = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.5, min_p=0.2),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=2.0, top_p=0.01),
+]
+
+
+def test_filters_match_transformers_warpers():
+    torch.manual_seed(0)
+    logits = torch.randn(len(CASES), 300) * 3
+    states, batch = make_states(CASES)
+    temps = torch.tensor([sp.temperature for sp in CASES])
+    ours = _apply_filters(logits / temps[:, None], batch, states)
+    for i, sp in enumerate(CASES):
+        ref = hf_filtered(logits[i : i + 1], sp)[0]
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), f"kept set differs for {sp}"
+        kept = ~torch.isinf(ref)
+        torch.testing.assert_close(ours[i][kept], ref[kept])
+
+
+def test_sample_respects_filters_and_greedy_rows():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 200) * 2
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=5.0, top_p=0.3), SamplingParams(temperature=0)]
+    for seed in range(30):
+        states, batch = make_states(params, seeds=[seed] * 4)
+        batch.seq_lens_np = np.full(4, seed)
+        tokens, lps = sample(logits, batch, states)
+        assert lps is None
+        assert tokens[0] == logits[0].argmax() and tokens[3] == logits[3].argmax()
+        assert tokens[1] in logits[1].topk(3).indices
+        kept = ~torch.isinf(hf_filtered(logits[2:3], params[2])[0])
+        assert kept[tokens[2]]
+
+
+def test_sampling_params_validation():
+    for kwargs, field in [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(n=2), "n"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(seed=2**64), "seed"),
+        (dict(temperature=float("nan")), "temperature"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
