@@ -51,14 +51,20 @@ class EngineCore:
         )
 
     def abort(self, request_ids) -> list[str]:
-        return self.scheduler.abort(request_ids)
+        aborted = self.scheduler.abort(request_ids)
+        self.executor.remove(self.scheduler.take_left())
+        return aborted
 
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens:
+            # Admission always fits one request into an empty pool, so an idle
+            # step with work queued would be a scheduler bug, not a wait.
+            assert not self.has_unfinished, "the scheduler scheduled nothing while requests wait"
             return []
         result = self.executor.execute(sched)
         updates = self.scheduler.update(sched, result.sampled_token_ids)
+        self.executor.remove(self.scheduler.take_left())
         outputs = []
         for u in updates:
             req = u.req

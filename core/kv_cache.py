@@ -136,10 +136,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hit = self.pool.lookup(self.block_hashes(req)[:max_blocks])
-        self.num_queries += req.num_tokens
-        self.num_hits += len(hit) * self.block_size
-        return hit
+        return self.pool.lookup(self.block_hashes(req)[:max_blocks])
 
     def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> list[int] | None:
         """Give req blocks for num_new_tokens beyond its computed (or cached) ones.
@@ -151,6 +148,12 @@ class KVCacheManager:
         need = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_ids) - len(cached_blocks)
         if need > self.pool.num_free - self.pool.num_free_among(cached_blocks):
             return None
+        if not req.block_ids and self.enable_prefix_caching:
+            # Admission (a running request always holds a block). Counted
+            # here, not in find_cached_prefix: a request the pool cannot take
+            # yet is looked up again every step and would be counted each time.
+            self.num_queries += req.num_tokens
+            self.num_hits += len(cached_blocks) * self.block_size
         if cached_blocks:
             self.pool.touch(cached_blocks)
         new = self.pool.allocate(max(need, 0))

@@ -134,9 +134,14 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
 
-        out.finished_req_ids = self._left
-        self._left = set()
+        out.finished_req_ids = self.take_left()
         return out
+
+    def take_left(self) -> set[str]:
+        """Ids of requests that left the executor (finished, aborted,
+        preempted) since the last call: their slots are to be freed."""
+        left, self._left = self._left, set()
+        return left
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -192,7 +197,9 @@ class Scheduler:
 
     def abort(self, req_ids) -> list[str]:
         """Finish these requests as aborted; returns the ids that were live."""
-        aborted = [rid for rid in req_ids if rid in self.requests]
+        # dict.fromkeys: an id repeated in one call is aborted once, not
+        # looked up again after _finish has removed it (a KeyError).
+        aborted = [rid for rid in dict.fromkeys(req_ids) if rid in self.requests]
         for req_id in aborted:
             self._finish(self.requests[req_id], RequestStatus.FINISHED_ABORTED)
         return aborted

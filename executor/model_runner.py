@@ -36,13 +36,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """'auto': the checkpoint's dtype on a GPU (bfloat16 for a float32
-    checkpoint), float32 on the CPU."""
+    """'auto': the checkpoint's dtype (float32 when config.json names none),
+    except that a float32 checkpoint runs in bfloat16 on a GPU."""
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    return torch.bfloat16 if checkpoint_dtype == "float32" else getattr(torch, checkpoint_dtype)
+    if device.type != "cpu" and checkpoint_dtype == "float32":
+        return torch.bfloat16
+    return getattr(torch, checkpoint_dtype)
 
 
 class ModelRunner:
@@ -84,11 +84,15 @@ class ModelRunner:
             )
         return num_blocks
 
+    def remove(self, req_ids) -> None:
+        """Free the slots of requests that left (finished, aborted, preempted)."""
+        for req_id in req_ids:
+            self.states.remove(req_id)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states
-        for req_id in sched.finished_req_ids:
-            states.remove(req_id)
+        self.remove(sched.finished_req_ids)
         for new in sched.new_reqs:
             states.add(new)
         for cached in sched.cached_reqs:

@@ -67,6 +67,22 @@ def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1)
 
 
+@pytest.fixture(autouse=True)
+def every_engine_ends_clean(monkeypatch):
+    """After every test, each LLM the test made holds no KV block, request or slot."""
+    made = []
+    init = LLM.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", tracking_init)
+    yield
+    for llm in made:
+        assert_blocks_free(llm)
+
+
 def assert_blocks_free(llm: LLM) -> None:
     """Every KV block is back in the pool and no request or slot is left behind."""
     engine = llm.engine
@@ -75,3 +91,4 @@ def assert_blocks_free(llm: LLM) -> None:
     assert all(c == 0 for c in kv.pool.ref_counts)
     assert not engine.scheduler.requests
     assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.executor.states.req_to_slot

@@ -217,3 +217,13 @@ def test_bfloat16_runs_close_to_float32(checkpoint):
     assert common
     for tid in common:
         assert lp16[tid].logprob == pytest.approx(lp32[tid].logprob, abs=0.1)
+
+
+def test_auto_dtype_follows_the_checkpoint(checkpoint):
+    path = checkpoint("qwen3", dtype=torch.bfloat16)
+    llm = LLM(path, max_model_len=64)
+    assert llm.engine.executor.dtype == torch.bfloat16
+    assert llm.engine.executor.kv_caches[0].dtype == torch.bfloat16
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert LLM(path, max_model_len=64, dtype="float32").engine.executor.dtype == torch.float32
