@@ -48,10 +48,13 @@ class FakeExecutor:
         self.slots: dict[str, dict] = {}  # request id -> tokens, blocks, computed
         self.choose = choose
 
-    def execute(self, out) -> list[int]:
-        for rid in out.finished_req_ids:
+    def remove(self, req_ids) -> None:
+        for rid in req_ids:
             assert rid in self.slots, f"{rid} left the executor without having entered it"
             del self.slots[rid]
+
+    def execute(self, out) -> list[int]:
+        self.remove(out.finished_req_ids)
         for new in out.new_reqs:
             assert new.req_id not in self.slots, f"{new.req_id} admitted twice without leaving"
             self.slots[new.req_id] = dict(tokens=list(new.token_ids), blocks=list(new.block_ids),
@@ -144,7 +147,7 @@ def check_schedule(sched: Scheduler, out, before: list[str]) -> None:
         for rid in victims:
             r = sched.requests[rid]
             assert r.status == RequestStatus.PREEMPTED and r.block_ids == []
-    assert [r.request_id for r in sched.running] == [rid for rid in before if rid not in before[len(before) - k :]] + new_ids
+    assert [r.request_id for r in sched.running] == before[: len(before) - k] + new_ids
     for new in out.new_reqs:
         r = sched.requests[new.req_id]
         assert new.token_ids == r.all_token_ids and new.block_ids == r.block_ids
@@ -157,27 +160,42 @@ def check_schedule(sched: Scheduler, out, before: list[str]) -> None:
 
 
 class Driver:
-    """schedule -> fake execute -> update, checking every invariant on the way."""
+    """schedule -> fake execute -> update, checking every invariant on the way.
 
-    def __init__(self, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                 block_size=4, num_blocks=64, prefix_caching=True, choose=default_token) -> None:
+    release_eagerly: like EngineCore, hand the executor take_left() right
+    after each update and abort, instead of waiting for the next schedule().
+    """
+
+    def __init__(self, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, block_size=4,
+                 num_blocks=64, prefix_caching=True, choose=default_token, release_eagerly=False) -> None:
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
             CacheConfig(block_size, num_blocks, prefix_caching),
         )
         self.executor = FakeExecutor(self.sched, choose)
+        self.release_eagerly = release_eagerly
         self.outputs: dict[str, list[int]] = defaultdict(list)  # request id -> tokens from updates
         self.finished: dict[str, tuple[str, int | None]] = {}  # request id -> finish and stop reason
         self.steps = 0
+        self.admitted_tokens = self.admitted_hits = 0  # over all admissions, readmissions included
 
     def add(self, *reqs: Request) -> None:
         for r in reqs:
             self.sched.add_request(r)
 
+    def abort(self, req_ids) -> list[str]:
+        aborted = self.sched.abort(req_ids)
+        if self.release_eagerly:
+            self.executor.remove(self.sched.take_left())
+        check_pool(self.sched)
+        return aborted
+
     def step(self):
         before = [r.request_id for r in self.sched.running]
         out = self.sched.schedule()
         check_schedule(self.sched, out, before)
+        self.admitted_tokens += sum(len(new.token_ids) for new in out.new_reqs)
+        self.admitted_hits += sum(new.num_computed_tokens for new in out.new_reqs)
         updates = self.sched.update(out, self.executor.execute(out))
         for u in updates:
             rid = u.req.request_id
@@ -187,6 +205,8 @@ class Driver:
             if u.finish_reason is not None:
                 assert rid not in self.sched.requests and u.req.finished
                 self.finished[rid] = (u.finish_reason, u.stop_reason)
+        if self.release_eagerly:
+            self.executor.remove(self.sched.take_left())
         check_pool(self.sched)
         self.steps += 1
         return out, updates
@@ -196,7 +216,7 @@ class Driver:
             if not self.sched.num_unfinished:
                 break
             self.step()
-        else:
+        if self.sched.num_unfinished:
             pytest.fail(f"not done after {max_steps} steps: {self.sched.num_unfinished} requests left")
         self.check_all_free()
 
@@ -275,7 +295,7 @@ def test_blocks_grow_one_at_a_time_and_all_return():
         if a is not None:
             sizes.append(len(a.block_ids))
             assert len(a.block_ids) == ceil_div(a.num_computed_tokens, 4)
-    # computed tokens after each step: 9, 10, ..., 16 -> blocks 3,3,3,3,4,4,4 (then it finished)
+    # computed tokens after each step: 9, 10, ..., 15 -> 3,3,3,3,4,4,4 blocks; the 8th token finishes it
     assert sizes == [3, 3, 3, 3, 4, 4, 4]
     d.run()
 
@@ -361,6 +381,25 @@ def test_lru_reuses_freed_blocks_and_evicts_the_least_recently_freed():
     got = {n.req_id: n for n in out.new_reqs}
     assert got["a3"].num_computed_tokens == 8 and got["a3"].block_ids[:2] == a_blocks
     assert got["b2"].num_computed_tokens == 0
+    d.run()
+
+
+def test_a_freed_request_loses_its_tail_blocks_first():
+    d = Driver(block_size=4, num_blocks=4)
+    prompt = list(range(1, 14))  # 13 tokens: all four blocks, three of them full and cached
+    d.add(make_request("a", prompt, max_tokens=1))
+    d.step()
+    a_blocks = list(d.sched.kv.pool.cached.values())
+    assert len(a_blocks) == 3
+    d.run()
+    d.add(make_request("b", [90, 91, 92, 93, 94], max_tokens=1))  # takes two blocks
+    d.run()
+    # b evicted a's last cached block; the first two still serve a repeat of a's prompt.
+    assert set(a_blocks[:2]) <= set(d.sched.kv.pool.cached.values())
+    assert a_blocks[2] not in d.sched.kv.pool.cached.values()
+    d.add(make_request("a2", prompt, max_tokens=1))
+    out, _ = d.step()
+    assert out.new_reqs[0].num_computed_tokens == 8 and out.new_reqs[0].block_ids[:2] == a_blocks[:2]
     d.run()
 
 
@@ -495,6 +534,7 @@ def test_abort_during_a_step_drops_its_token_and_frees_blocks():
     assert d.sched.abort(["a"]) == ["a"]
     updates = d.sched.update(out, sampled)
     assert [u.req.request_id for u in updates] == ["b"] and updates[0].row == 1
+    d.outputs["b"].extend(updates[0].new_token_ids)
     check_pool(d.sched)
     out, _ = d.step()
     assert out.finished_req_ids == {"a"} and list(out.num_scheduled_tokens) == ["b"]
@@ -513,6 +553,19 @@ def test_abort_a_preempted_request():
     assert "b" not in d.finished and d.finished["a"] == ("length", None)
 
 
+def test_take_left_hands_over_leaving_requests_at_once():
+    d = Driver()
+    d.add(make_request("done", [1, 2], max_tokens=1), make_request("run", [3, 4], max_tokens=5))
+    d.step()
+    assert d.sched.take_left() == {"done"}  # EngineCore frees the slot right after update
+    d.add(make_request("wait", [5]))
+    assert d.sched.abort(["run", "wait"]) == ["run", "wait"]
+    assert d.sched.take_left() == {"run"}  # "wait" never held a slot
+    out = d.sched.schedule()
+    assert not out.finished_req_ids and not out.num_scheduled_tokens
+    d.check_all_free()
+
+
 def test_abort_with_a_repeated_id_aborts_it_once():
     d = Driver()
     d.add(make_request("a", [1, 2], max_tokens=5))
@@ -527,6 +580,7 @@ def test_duplicate_request_id_is_rejected_until_the_first_finishes():
     with pytest.raises(ValueError, match="already in use"):
         d.add(make_request("a", [3, 4]))
     d.run()
+    d.outputs.pop("a")
     d.add(make_request("a", [3, 4], max_tokens=1))  # a finished id may be used again
     d.run()
 
@@ -534,8 +588,12 @@ def test_duplicate_request_id_is_rejected_until_the_first_finishes():
 # --- randomized ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_arrivals_aborts_and_shared_prefixes_keep_invariants(seed):
+@pytest.mark.parametrize(
+    "seed, prefix_caching, release_eagerly", [(0, True, False), (1, True, True), (2, False, True)]
+)
+def test_random_arrivals_aborts_and_shared_prefixes_keep_invariants(seed, prefix_caching, release_eagerly):
+    """Random arrivals, aborts, lengths and shared prefixes on a pool of 12 blocks; the Driver checks
+    every invariant after every schedule, update and abort."""
     rng = random.Random(seed)
     bs, max_model_len = 4, 40
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 17))] for _ in range(3)]
@@ -544,7 +602,8 @@ def test_random_arrivals_aborts_and_shared_prefixes_keep_invariants(seed):
         return EOS if rng.random() < 0.03 else rng.randrange(1, 50)
 
     d = Driver(max_num_seqs=4, max_num_batched_tokens=rng.choice([8, 16, 32]), max_model_len=max_model_len,
-               block_size=bs, num_blocks=12, prefix_caching=seed != 2, choose=choose)
+               block_size=bs, num_blocks=12, prefix_caching=prefix_caching, choose=choose,
+               release_eagerly=release_eagerly)
     added, aborted, params = 0, set(), {}  # request id -> (prompt length, max_tokens, ignore_eos)
     for _ in range(300):
         if rng.random() < 0.3:
@@ -556,9 +615,8 @@ def test_random_arrivals_aborts_and_shared_prefixes_keep_invariants(seed):
             d.add(make_request(rid, prompt, max_tokens=params[rid][1], ignore_eos=params[rid][2]))
         if rng.random() < 0.05 and d.sched.requests:
             rid = rng.choice(sorted(d.sched.requests))
-            assert d.sched.abort([rid, "unknown"]) == [rid]
+            assert d.abort([rid, "unknown"]) == [rid]
             aborted.add(rid)
-            check_pool(d.sched)
         d.step()
     d.run(max_steps=2000)
     assert set(d.finished) | aborted == set(params) and not set(d.finished) & aborted
@@ -571,4 +629,7 @@ def test_random_arrivals_aborts_and_shared_prefixes_keep_invariants(seed):
         else:
             assert reason == "length" and not stops
             assert len(out) == max_tokens or prompt_len + len(out) == max_model_len
-    return d.sched.num_preemptions
+    assert d.sched.num_preemptions > 0 and d.admitted_hits == d.sched.kv.num_hits
+    if d.sched.kv.enable_prefix_caching:
+        assert d.admitted_hits > 0
+        assert d.admitted_tokens == d.sched.kv.num_queries  # each admission looked up once
