@@ -19,3 +19,23 @@ def log_level() -> str:
 def cpu_kv_cache_gb() -> float:
     """HEADRACE_CPU_KV_CACHE_GB: the most memory the KV pool may take on the CPU (default 4)."""
     return float(os.environ.get("HEADRACE_CPU_KV_CACHE_GB", "4"))
+
+
+def heartbeat_interval() -> float:
+    """HEADRACE_HEARTBEAT_INTERVAL: seconds between heartbeats, both ways (default 0.5)."""
+    return float(os.environ.get("HEADRACE_HEARTBEAT_INTERVAL", "0.5"))
+
+
+def heartbeat_timeout() -> float:
+    """HEADRACE_HEARTBEAT_TIMEOUT: silence after which a peer counts as dead (default 3)."""
+    return float(os.environ.get("HEADRACE_HEARTBEAT_TIMEOUT", "3"))
+
+
+def cpu_threads() -> int:
+    """HEADRACE_CPU_THREADS: torch intra-op threads for a CPU executor (default:
+    one less than the CPUs this process may use, leaving one for the engine's
+    socket and frontend threads; at least 1)."""
+    value = os.environ.get("HEADRACE_CPU_THREADS")
+    if value:
+        return max(1, int(value))
+    return max(1, len(os.sched_getaffinity(0)) - 1)

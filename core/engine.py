@@ -4,7 +4,8 @@ from __future__ import annotations
 import random
 
 from headrace.core.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
-from headrace.core.protocol import EngineCoreOutput, EngineCoreRequest, PositionLogprobs
+from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
+from headrace.core.sampling_params import SamplingParams
 from headrace.core.request import Request
 from headrace.core.scheduler import Scheduler
 from headrace.executor.model_runner import ModelRunner
@@ -29,25 +30,27 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def add_request(self, req: EngineCoreRequest) -> None:
-        """Admit a validated request; raises ValueError for one the core cannot serve."""
-        sp = req.sampling_params
-        n = len(req.prompt_token_ids)
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float
+    ) -> None:
+        """Admit a request; raises ValueError, changing nothing, for one the core cannot serve."""
+        n = len(prompt_token_ids)
         limit = self.sched_config.max_model_len
         if n == 0:
-            raise ValueError(f"request {req.request_id!r}: the prompt is empty")
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
         if n >= limit:
             raise ValueError(
-                f"request {req.request_id!r}: the prompt has {n} tokens, but max_model_len is {limit} "
+                f"request {request_id!r}: the prompt has {n} tokens, but max_model_len is {limit} "
                 f"(at most {limit - 1} prompt tokens, leaving room to generate one)"
             )
         vocab = self.model_config.vocab_size
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"request {req.request_id!r}: prompt token ids {bad[:5]} are outside [0, {vocab})")
+            raise ValueError(f"request {request_id!r}: prompt token ids {bad[:5]} are outside [0, {vocab})")
+        sp = sampling_params
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
         self.scheduler.add_request(
-            Request(req.request_id, req.prompt_token_ids, sp, self.model_config.eos_token_ids, seed, req.arrival_time)
+            Request(request_id, prompt_token_ids, sp, self.model_config.eos_token_ids, seed, arrival_time)
         )
 
     def abort(self, request_ids) -> list[str]:
@@ -65,12 +68,13 @@ class EngineCore:
         result = self.executor.execute(sched)
         updates = self.scheduler.update(sched, result.sampled_token_ids)
         self.executor.remove(self.scheduler.take_left())
+        lp = result.logprobs
         outputs = []
         for u in updates:
             req = u.req
             out = EngineCoreOutput(
                 request_id=req.request_id,
-                new_token_ids=u.new_token_ids,
+                new_token_ids=pack_ids(u.new_token_ids),
                 finish_reason=u.finish_reason,
                 stop_reason=u.stop_reason,
                 num_cached_tokens=req.num_cached_tokens,
@@ -78,13 +82,21 @@ class EngineCore:
                 first_token_time=req.first_token_time,
                 finished_time=req.finished_time,
             )
-            if result.logprobs is not None and req.sampling_params.logprobs is not None:
-                n = 1 + req.sampling_params.logprobs
-                lp = result.logprobs
-                out.new_logprobs = [
-                    PositionLogprobs(
-                        lp.token_ids[u.row, :n].tolist(), lp.logprobs[u.row, :n].tolist(), int(lp.sampled_ranks[u.row])
-                    )
-                ]
+            if lp is not None and req.sampling_params.logprobs is not None:
+                k = 1 + req.sampling_params.logprobs
+                out.logprob_token_ids = pack_ids(lp.token_ids[u.row, :k])
+                out.logprobs = pack_floats(lp.logprobs[u.row, :k])
+                out.sampled_ranks = pack_ids(lp.sampled_ranks[u.row : u.row + 1])
             outputs.append(out)
         return outputs
+
+    def stats(self) -> dict:
+        sched = self.scheduler
+        return dict(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_free_blocks=sched.kv.num_free_blocks,
+            num_blocks=self.cache_config.num_blocks,
+            num_slots_used=len(self.executor.states.req_to_slot),
+            num_preemptions=sched.num_preemptions,
+        )

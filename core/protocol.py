@@ -1,35 +1,154 @@
-"""Typed messages between the frontend and the engine core."""
+"""Typed messages between frontends and the engine core, and their wire format.
+
+Every message is one msgspec struct encoded as one msgpack frame; the
+struct's tag says which. Token ids and logprobs travel as packed
+little-endian arrays (int32 ids, float32 values) in bytes fields. Nothing
+is pickled. A frame that does not decode to a known message is dropped by
+the receiver.
+"""
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from headrace.core.sampling_params import SamplingParams
 
+PROTOCOL_VERSION = 1
 
-class EngineCoreRequest(msgspec.Struct, kw_only=True):
+
+def pack_ids(ids) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i4")
+
+
+def pack_floats(values) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_floats(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<f4")
+
+
+class _Msg(msgspec.Struct, tag_field="t", kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+# ---- frontend -> core ----
+
+
+class Hello(_Msg, tag="hello"):
+    """The first message of a frontend; the core answers with Ready."""
+
+    protocol: int
+    pid: int
+
+
+class AddRequest(_Msg, tag="add"):
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: bytes  # int32 [num_prompt_tokens]
     sampling_params: SamplingParams
     arrival_time: float
 
 
-class PositionLogprobs(msgspec.Struct, array_like=True):
-    """Raw logprobs at one generated position: the sampled token first, then the top-N."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_rank: int
+class Abort(_Msg, tag="abort"):
+    request_ids: list[str]
 
 
-class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What one step did for one request."""
+class Ping(_Msg, tag="ping"):
+    pass
+
+
+class GetStats(_Msg, tag="get_stats"):
+    pass
+
+
+class Goodbye(_Msg, tag="bye"):
+    """A frontend leaving: the core aborts its requests at once."""
+
+
+ToCore = Hello | AddRequest | Abort | Ping | GetStats | Goodbye
+
+
+# ---- core -> frontend ----
+
+
+class Ready(_Msg, tag="ready"):
+    """The handshake: what a frontend needs to tokenize, validate and decode."""
+
+    protocol: int
+    engine_id: str
+    model: str
+    tokenizer: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    block_size: int
+    num_kv_blocks: int
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step did for one request.
+
+    Logprobs, when asked for, come per new token as k = 1 + N columns: the
+    sampled token first, then the top-N in rank order.
+    """
 
     request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[PositionLogprobs] | None = None
+    new_token_ids: bytes  # int32 [num_new]
+    logprob_token_ids: bytes = b""  # int32 [num_new, k]
+    logprobs: bytes = b""  # float32 [num_new, k]
+    sampled_ranks: bytes = b""  # int32 [num_new]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+
+
+class StepOutputs(_Msg, tag="outputs"):
+    """One step's outputs for one frontend's requests."""
+
+    outputs: list[EngineCoreOutput]
+
+
+class RequestError(_Msg, tag="error"):
+    """The core refused a request; nothing of it remains in the core."""
+
+    request_id: str
+    message: str
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    pass
+
+
+class Stats(_Msg, tag="stats"):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_slots_used: int
+    num_preemptions: int
+    num_frontends: int
+
+
+class CoreExit(_Msg, tag="exit"):
+    """The core is shutting down; its frontends fail their requests at once."""
+
+    reason: str
+
+
+FromCore = Ready | StepOutputs | RequestError | Heartbeat | Stats | CoreExit
+
+_encoder = msgspec.msgpack.Encoder()
+to_core_decoder = msgspec.msgpack.Decoder(ToCore)
+from_core_decoder = msgspec.msgpack.Decoder(FromCore)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)

@@ -1,19 +1,32 @@
 """SamplingParams: how one request generates, validated at construction."""
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 # Largest number of top logprobs a request may ask for per position.
 MAX_LOGPROBS = 20
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output holds everything generated so far
+    DELTA = 1  # every output holds only what is new since the last
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """vLLM-compatible generation parameters of one request.
 
     temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1 and
     min_p 0 disable those filters. max_tokens None generates until the
     model's length limit. logprobs N returns the top-N log-probabilities of
     each generated position plus the sampled token's.
+
+    Stop strings, output kinds and detokenization options are applied by
+    the frontend: `stop` ends a request when its text contains one of the
+    strings (the match is cut off unless include_stop_str_in_output), and
+    no streamed text ever shows a match or what follows it.
     """
 
     n: int = 1
@@ -26,12 +39,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: int | None = None
+    stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         for name, types in _TYPES.items():
             value = getattr(self, name)
             if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
                 raise ValueError(f"{name} must be of type {' or '.join(t.__name__ for t in types)}, got {value!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                                 f"got {self.output_kind!r}") from None
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if self.n != 1:
@@ -69,4 +97,8 @@ _TYPES = {
     "ignore_eos": (bool,),
     "stop_token_ids": (list,),
     "logprobs": (int, type(None)),
+    "stop": (list, str, type(None)),
+    "include_stop_str_in_output": (bool,),
+    "skip_special_tokens": (bool,),
+    "spaces_between_special_tokens": (bool,),
 }

@@ -48,6 +48,10 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> None:
         self.device = resolve_device(args.device)
+        if self.device.type == "cpu":
+            # torch's OpenMP workers spin at barriers; with the engine's own
+            # threads competing for the same cores, steps slow down severalfold.
+            torch.set_num_threads(envs.cpu_threads())
         self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, self.device)
         self.block_size = args.block_size
         self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len)

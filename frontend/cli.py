@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import signal
 import sys
 
 DEMO_PROMPTS = [
@@ -32,6 +35,54 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field (--max-num-seqs, --no-enable-prefix-caching, ...)."""
+    from headrace.core.config import EngineArgs
+
+    for field in dataclasses.fields(EngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        if field.name == "model":
+            parser.add_argument(flag, required=True, help="checkpoint directory or cached hub id")
+        elif field.type in ("bool", bool):
+            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            kind = {"int": int, "int | None": int, "str": str, "str | None": str}[str(field.type)]
+            parser.add_argument(flag, dest=field.name, type=kind, default=field.default)
+
+
+def _core(args: argparse.Namespace) -> int:
+    import logging
+
+    from headrace import envs
+    from headrace.core.config import EngineArgs
+    from headrace.core.server import CoreServer
+
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.parent_pid is not None:
+        _die_with_parent(args.parent_pid)
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    engine_args = EngineArgs(**{k: v for k, v in vars(args).items() if k in fields})
+    server = CoreServer(engine_args, args.address)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    print(f"headrace core: serving {engine_args.model} at {server.address}", flush=True)
+    server.serve_forever(parent_pid=args.parent_pid)
+    return 0
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel send SIGTERM when the parent exits (Linux); the busy
+    loop also checks getppid() for other systems and for a parent that died
+    before this ran."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        sys.exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headrace", description="An LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
+    core = sub.add_parser("core", help="run an engine core that frontends connect to over ZeroMQ")
+    core.add_argument("--address", default="tcp://127.0.0.1:0",
+                      help="ipc:///path or tcp://HOST:PORT to bind (default: loopback, a free port)")
+    core.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    _add_engine_args(core)
+    core.set_defaults(func=_core)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

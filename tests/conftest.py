@@ -79,8 +79,12 @@ def every_engine_ends_clean(monkeypatch):
 
     monkeypatch.setattr(LLM, "__init__", tracking_init)
     yield
-    for llm in made:
-        assert_blocks_free(llm)
+    try:
+        for llm in made:
+            assert_blocks_free(llm)
+    finally:
+        for llm in made:
+            llm.shutdown()
 
 
 def assert_blocks_free(llm: LLM) -> None:

@@ -38,22 +38,6 @@ def test_bad_prompts_reject_the_batch_and_leave_the_engine_working(llm):
     assert_blocks_free(llm)
 
 
-def test_core_rejects_what_the_frontend_let_through(llm):
-    from headrace.core.protocol import EngineCoreRequest
-
-    req = EngineCoreRequest(request_id="x", prompt_token_ids=[1] * 80, sampling_params=SamplingParams(),
-                            arrival_time=0.0)
-    with pytest.raises(ValueError, match="max_model_len is 64"):
-        llm.engine.add_request(req)
-    ok = EngineCoreRequest(request_id="y", prompt_token_ids=[1, 2], sampling_params=SamplingParams(),
-                           arrival_time=0.0)
-    llm.engine.add_request(ok)
-    with pytest.raises(ValueError, match="already in use"):
-        llm.engine.add_request(ok)
-    assert llm.engine.abort(["y", "never-seen"]) == ["y"]
-    assert_blocks_free(llm)
-
-
 def test_sampling_params_types():
     with pytest.raises(ValueError, match="temperature must be of type"):
         SamplingParams(temperature="hot")

@@ -1,0 +1,245 @@
+"""AsyncEngine: stream completions from an engine core into asyncio code."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from transformers import AutoTokenizer
+
+from headrace.core.config import EngineArgs
+from headrace.core.outputs import RequestOutput
+from headrace.core.protocol import Ready, RequestError, StepOutputs
+from headrace.core.sampling_params import SamplingParams
+from headrace.frontend.client import EngineClient, EngineDeadError
+from headrace.frontend.core_process import CoreProcess
+from headrace.frontend.output_processor import RequestState, TokenText
+
+try:
+    import uvloop
+except ImportError:  # optional: the default event loop works too
+    uvloop = None
+
+logger = logging.getLogger("headrace.frontend")
+
+Prompt = str | list[int] | list[dict] | dict
+
+
+def run(main) -> object:
+    """asyncio.run under uvloop when it is installed."""
+    if uvloop is not None:
+        return uvloop.run(main)
+    return asyncio.run(main)
+
+
+class AsyncEngine:
+    """A frontend: tokenizes, sends requests to an engine core over ZeroMQ,
+    and streams RequestOutputs back.
+
+        async with AsyncEngine.from_model("path/to/model") as engine:
+            async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
+                print(out.outputs[0].text)
+
+    from_model spawns a core process that lives as long as this engine (and
+    never outlives this process); connect joins a core already running.
+    """
+
+    def __init__(self, address: str, process: CoreProcess | None = None) -> None:
+        self.address = address
+        self._process = process
+        self._client: EngineClient | None = None
+        self._start_lock: asyncio.Lock | None = None
+        self.tokenizer = None
+        self.info: Ready | None = None
+        self._states: dict[str, tuple[RequestState, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._token_text: TokenText | None = None
+
+    @classmethod
+    def from_model(cls, model: str, **engine_args) -> AsyncEngine:
+        args = EngineArgs(model=str(model), **engine_args)
+        process = CoreProcess.spawn(args)
+        return cls(process.address, process)
+
+    @classmethod
+    def connect(cls, address: str) -> AsyncEngine:
+        return cls(address)
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def start(self) -> Ready:
+        """Connect and handshake (generate() does this on first use)."""
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._client is None:
+                alive = self._process.alive if self._process is not None else None
+                client = EngineClient(self.address, self._on_outputs, self._on_error, self._on_dead, alive)
+                self.info = await client.start()
+                self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.info.tokenizer)
+                self._token_text = TokenText(self.tokenizer)
+                self._client = client
+        return self.info
+
+    @property
+    def is_dead(self) -> bool:
+        return self._client is not None and self._client.dead is not None
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request, as sampling_params.output_kind says.
+
+        Breaking out of the loop or cancelling the consuming task aborts
+        the request in the core.
+        """
+        state, queue = await self.add_request(prompt, sampling_params, request_id)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not state.finished and self._states.pop(state.request_id, None) is not None:
+                if not self.is_dead:
+                    # Fire and forget: a cancelled task cannot await.
+                    asyncio.get_running_loop().create_task(self._client.abort([state.request_id]))
+
+    async def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                          request_id: str | None = None) -> tuple[RequestState, asyncio.Queue]:
+        """Submit one request; returns its state and the queue its outputs arrive on."""
+        await self.start()
+        text, token_ids = self.tokenize(prompt)
+        return await self.submit(text, token_ids, sampling_params, request_id)
+
+    async def submit(self, text: str | None, token_ids: list[int], sampling_params: SamplingParams | None = None,
+                     request_id: str | None = None) -> tuple[RequestState, asyncio.Queue]:
+        """Submit an already tokenized and validated prompt."""
+        self._check_alive()
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.time()
+        state = RequestState(request_id, text, token_ids, params, self.tokenizer, self._token_text, arrival)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._states[request_id] = (state, queue)
+        try:
+            await self._client.add(request_id, token_ids, params, arrival)
+        except BaseException:
+            self._states.pop(request_id, None)
+            raise
+        return state, queue
+
+    def tokenize(self, prompt: Prompt, index: int | None = None) -> tuple[str | None, list[int]]:
+        """(prompt text, token ids) of a string, token-id list, chat messages or
+        {"prompt" | "prompt_token_ids": ...}; validated against the model."""
+        name = "prompt" if index is None else f"prompt {index}"
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"{name}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        text = None
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise TypeError(f"{name} must be a string, a list of token ids or a list of chat messages")
+        limit, vocab = self.info.max_model_len, self.info.vocab_size
+        if not token_ids:
+            raise ValueError(f"{name} is empty")
+        if len(token_ids) >= limit:
+            raise ValueError(f"{name} has {len(token_ids)} tokens, but max_model_len is {limit} "
+                             f"(at most {limit - 1} prompt tokens)")
+        if not all(0 <= t < vocab for t in token_ids):
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab})")
+        return text, token_ids
+
+    async def abort(self, request_id: str | Sequence[str]) -> None:
+        """Abort running requests; an id this frontend does not know raises KeyError."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        unknown = [r for r in ids if r not in self._states]
+        if unknown:
+            raise KeyError(f"unknown request ids: {unknown}")
+        self._check_alive()
+        await self._client.abort(ids)
+        for rid in ids:
+            state, queue = self._states.pop(rid)
+            state.finish_reason = "abort"
+            queue.put_nowait(state.output())
+
+    async def stats(self):
+        """The core's counters (requests, KV blocks, slots)."""
+        await self.start()
+        self._check_alive()
+        return await self._client.stats()
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        if self._process is not None:
+            await asyncio.to_thread(self._process.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop a spawned core (from sync code; in async code use aclose())."""
+        if self._process is not None:
+            self._process.shutdown()
+
+    def _check_alive(self) -> None:
+        if self._client is not None and self._client.dead is not None:
+            raise EngineDeadError(str(self._client.dead))
+
+    # ---- callbacks from the client's receive task ----
+
+    def _on_outputs(self, msg: StepOutputs) -> None:
+        aborts = []
+        for out in msg.outputs:
+            entry = self._states.get(out.request_id)
+            if entry is None:
+                continue
+            state, queue = entry
+            result = state.process(out)
+            if result is not None:
+                queue.put_nowait(result)
+            if state.finished:
+                del self._states[out.request_id]
+                if state.stopped_by_string:
+                    aborts.append(out.request_id)
+        if aborts:
+            asyncio.get_running_loop().create_task(self._client.abort(aborts))
+
+    def _on_error(self, msg: RequestError) -> None:
+        entry = self._states.pop(msg.request_id, None)
+        if entry is not None:
+            entry[1].put_nowait(ValueError(msg.message))
+
+    def _on_dead(self, err: EngineDeadError) -> None:
+        for state, queue in self._states.values():
+            queue.put_nowait(EngineDeadError(str(err)))
+        self._states.clear()
+

@@ -1,0 +1,73 @@
+"""Spawning an engine-core process that never outlives its parent."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+from headrace.core.config import EngineArgs, ModelConfig
+from headrace.executor.models.loader import resolve_model_path
+
+
+def private_ipc_address() -> tuple[str, str]:
+    """An ipc address inside a fresh owner-only directory; returns (address, directory)."""
+    directory = tempfile.mkdtemp(prefix="headrace-")  # mode 0700
+    return f"ipc://{directory}/core.sock", directory
+
+
+def engine_args_to_cli(args: EngineArgs) -> list[str]:
+    flags = []
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        if value is None or value == field.default and field.name != "model":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + field.name.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+class CoreProcess:
+    """A `headrace core` child process serving on a private ipc socket."""
+
+    def __init__(self, proc: subprocess.Popen, address: str, directory: str | None) -> None:
+        self.proc = proc
+        self.address = address
+        self._directory = directory
+
+    @classmethod
+    def spawn(cls, args: EngineArgs, address: str | None = None) -> CoreProcess:
+        # Refuse a bad model here, with the loader's own message, rather than
+        # as a dead child process.
+        ModelConfig.from_dir(resolve_model_path(args.model))
+        directory = None
+        if address is None:
+            address, directory = private_ipc_address()
+        cmd = [sys.executable, "-m", "headrace.frontend.cli", "core", "--address", address,
+               "--parent-pid", str(os.getpid()), *engine_args_to_cli(args)]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        return cls(proc, address, directory)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._directory is not None:
+            try:
+                os.unlink(self.address[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+            os.rmdir(self._directory)
+            self._directory = None

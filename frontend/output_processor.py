@@ -1,0 +1,134 @@
+"""Per-request frontend state: detokenize, apply stop strings, build RequestOutputs."""
+from __future__ import annotations
+
+import functools
+
+from headrace.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from headrace.core.protocol import EngineCoreOutput, unpack_floats, unpack_ids
+from headrace.core.sampling_params import RequestOutputKind, SamplingParams
+from headrace.frontend.detokenizer import IncrementalDetokenizer
+
+
+class TokenText:
+    """decoded_token strings for logprobs, cached per tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.of = functools.lru_cache(maxsize=1 << 16)(lambda tid: tokenizer.decode([tid]))
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer,
+        token_text: TokenText,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.kind = params.output_kind
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
+        self._token_text = token_text
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.stopped_by_string = False  # the frontend ended it; the core must be told to abort
+        self._stops = params.stop or []
+        self._hold = max(map(len, self._stops)) - 1 if self._stops and not params.include_stop_str_in_output else 0
+        self._text_end: int | None = None  # where a stop string cut the text
+        self._sent_text = 0
+        self._sent_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def process(self, out: EngineCoreOutput) -> RequestOutput | None:
+        """Take one core output; returns what to hand the consumer, if anything."""
+        if self.finished:
+            return None  # e.g. tokens the core produced before it saw our abort
+        new_ids = unpack_ids(out.new_token_ids).tolist()
+        self.token_ids.extend(new_ids)
+        if self.logprobs is not None and out.logprobs:
+            self._add_logprobs(out, len(new_ids))
+        m = self.metrics
+        m.first_scheduled_time = m.first_scheduled_time or out.first_scheduled_time
+        m.first_token_time = m.first_token_time or out.first_token_time
+        before = len(self.detok.text)
+        self.detok.add(new_ids)
+        if out.finish_reason is not None:
+            self.detok.flush()
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            m.finished_time = out.finished_time
+        if self._stops:
+            self._check_stop_strings(before)
+        return self.output()
+
+    def _check_stop_strings(self, before: int) -> None:
+        text = self.detok.text
+        start = max(0, before - max(map(len, self._stops)) + 1)
+        hits = [(i, s) for s in self._stops if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return
+        i, s = min(hits)
+        self._text_end = i + len(s) if self.params.include_stop_str_in_output else i
+        self.stopped_by_string = self.finish_reason is None
+        self.finish_reason, self.stop_reason = "stop", s
+
+    def _add_logprobs(self, out: EngineCoreOutput, num_new: int) -> None:
+        ids = unpack_ids(out.logprob_token_ids).reshape(num_new, -1)
+        lps = unpack_floats(out.logprobs).reshape(num_new, -1)
+        ranks = unpack_ids(out.sampled_ranks)
+        for row in range(num_new):
+            entry = {int(t): Logprob(float(v), r) for r, (t, v) in enumerate(zip(ids[row, 1:], lps[row, 1:]), 1)}
+            sampled = int(ids[row, 0])
+            entry.setdefault(sampled, Logprob(float(lps[row, 0]), int(ranks[row])))
+            for tid, lp in entry.items():
+                lp.decoded_token = self._token_text.of(tid)
+            self.logprobs.append(entry)
+            self.cumulative_logprob += float(lps[row, 0])
+
+    def final_text(self) -> str:
+        text = self.detok.text
+        return text if self._text_end is None else text[: self._text_end]
+
+    def output(self) -> RequestOutput | None:
+        finished = self.finished
+        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text = self.final_text()
+        visible = len(text) if finished else max(self._sent_text, len(text) - self._hold)
+        if self.kind == RequestOutputKind.DELTA:
+            text_out = text[self._sent_text : visible]
+            ids_out = self.token_ids[self._sent_tokens :]
+            lps_out = self.logprobs[self._sent_tokens :] if self.logprobs is not None else None
+            if not text_out and not ids_out and not finished:
+                return None
+        else:
+            text_out, ids_out, lps_out = text[:visible], list(self.token_ids), self.logprobs
+        self._sent_text, self._sent_tokens = visible, len(self.token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=text_out,
+            token_ids=ids_out,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(lps_out) if lps_out is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=self.metrics,
+        )
