@@ -50,7 +50,7 @@ class CoreProcess:
             address, directory = private_ipc_address()
         cmd = [sys.executable, "-m", "headrace.frontend.cli", "core", "--address", address,
                "--parent-pid", str(os.getpid()), *engine_args_to_cli(args)]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # logs go to stderr
         return cls(proc, address, directory)
 
     def alive(self) -> bool:
