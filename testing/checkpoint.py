@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
@@ -229,3 +230,45 @@ def demo_checkpoint() -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+def make_scripted_checkpoint(path: str | Path, texts: list[str]) -> tuple[Path, list[list[int]]]:
+    """A llama checkpoint whose greedy output is known in advance: it spells `texts`.
+
+    Each layer's output projections are zero, so the final hidden state is
+    the current token's embedding, a one-hot vector; lm_head maps token
+    ids[i] of each text to ids[i + 1], and the last one to EOS. Prompting
+    with a text's first token therefore generates the rest of its tokens
+    and then EOS. Returns the path and those one-token prompts. The token
+    ids of all texts together must be distinct (a token has one successor).
+    """
+    tokenizer = build_tokenizer(Path(path))
+    vocab = len(tokenizer)
+    hidden = -(-vocab // 8) * 8
+    successor: dict[int, int] = {}
+    prompts = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        for a, b in zip(ids, ids[1:] + [tokenizer.eos_token_id]):
+            if a in successor:
+                raise ValueError(f"token {a} of {text!r} already has a successor; pick texts with distinct tokens")
+            successor[a] = b
+        prompts.append(ids[:1])
+    path = make_checkpoint(path, "llama", hidden_size=hidden, num_layers=1, num_heads=4, num_kv_heads=4,
+                           intermediate_size=8, max_position_embeddings=256)
+    weights_file = path / "model.safetensors"
+    weights = load_file(weights_file)
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+        elif name.endswith("norm.weight"):
+            weights[name] = torch.ones_like(weights[name])
+    weights["model.embed_tokens.weight"] = torch.eye(vocab, hidden)
+    head = torch.zeros(vocab, hidden)
+    head[tokenizer.eos_token_id, :vocab] = 0.5  # unscripted tokens lead to EOS
+    for a, b in successor.items():
+        head[:, a] = 0
+        head[b, a] = 1.0
+    weights["lm_head.weight"] = head
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return path, prompts

@@ -18,6 +18,7 @@ import zmq
 
 from headrace import LLM, AsyncEngine, EngineDeadError, RequestOutputKind, SamplingParams
 from headrace.core.protocol import AddRequest, Hello, PROTOCOL_VERSION, encode, pack_ids
+from headrace.testing.checkpoint import make_scripted_checkpoint
 from tests.conftest import hf_greedy
 
 WORKER = str(Path(__file__).with_name("frontend_worker.py"))
@@ -351,3 +352,32 @@ def test_ipc_socket_is_owner_only_and_tcp_defaults_to_loopback(core, checkpoint,
         run(main())
     finally:
         stop(proc)
+
+
+def test_split_characters_stream_whole(tmp_path, hf_model):
+    """A scripted model spells CJK and emoji text whose characters are split
+    across byte-level tokens: no delta shows a broken character, and the
+    deltas add up to the text."""
+    texts = ["A河边散步吧。", "B👨‍👩‍👧家族", "C東京🇯🇵大阪"]
+    path, prompts = make_scripted_checkpoint(tmp_path / "scripted", texts)
+
+    async def main():
+        async with AsyncEngine.from_model(path, max_model_len=64) as engine:
+            tok = engine.tokenizer
+            assert any(tok.decode([t]) == "\ufffd" for t in tok.encode("".join(texts)))  # really split
+            sp = SamplingParams(temperature=0, max_tokens=30, output_kind=RequestOutputKind.DELTA)
+            streams = await asyncio.gather(*(_collect(engine.generate(p, sp)) for p in prompts))
+        for text, prompt, outs in zip(texts, prompts, streams):
+            deltas = [o.outputs[0].text for o in outs]
+            assert all("\ufffd" not in d for d in deltas)
+            assert "".join(deltas) == text[1:]
+            ids = sum((o.outputs[0].token_ids for o in outs), [])
+            assert ids == hf_greedy(hf_model(path), prompt, 30)
+            assert outs[-1].outputs[0].finish_reason == "stop"
+            assert len(deltas) > 2
+
+    run(main())
+
+
+async def _collect(gen):
+    return [o async for o in gen]
