@@ -34,6 +34,10 @@ def run(main) -> object:
     return asyncio.run(main)
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+
+
 class AsyncEngine:
     """A frontend: tokenizes, sends requests to an engine core over ZeroMQ,
     and streams RequestOutputs back.

@@ -19,7 +19,7 @@ from headrace.core.config import EngineArgs
 from headrace.core.outputs import RequestOutput
 from headrace.core.sampling_params import RequestOutputKind, SamplingParams
 from headrace.core.server import CoreServer
-from headrace.frontend.async_engine import AsyncEngine, Prompt
+from headrace.frontend.async_engine import AsyncEngine, Prompt, new_event_loop
 from headrace.frontend.core_process import private_ipc_address
 
 
@@ -43,7 +43,7 @@ class LLM:
         self.engine = self.core.engine  # the EngineCore, for inspection
         core_thread = threading.Thread(target=self.core.serve_forever, name="headrace-core", daemon=True)
         core_thread.start()
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         loop_thread = threading.Thread(target=self._loop.run_forever, name="headrace-frontend", daemon=True)
         loop_thread.start()
         self._frontend = AsyncEngine(self.core.address)

@@ -34,27 +34,42 @@ def paged_attention_ref(
     """Causal attention of each request's queries (its last tokens) over its cached keys.
 
     Mixed batches are fine: a decode row has one query, a prefill chunk many.
-    Softmax runs in float32.
+    Decode rows are computed together, padded to the longest context;
+    prefill rows one at a time. Softmax runs in float32.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    for i, seq_len in enumerate(seq_lens):
+    decode = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    if decode:
+        rows = torch.tensor(decode, device=q.device)
+        starts = torch.tensor([query_start_loc[i] for i in decode], device=q.device)
+        lens = torch.tensor([seq_lens[i] for i in decode], device=q.device)
+        out[starts] = _attend(q[starts, None], kv_cache, block_tables[rows], lens, max(seq_lens[i] for i in decode),
+                              scale)[:, 0]
+    for i in sorted(set(range(len(seq_lens))) - set(decode)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
-        num_q = end - start
-        if num_q == 0:
-            continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[i, :num_blocks].long()
-        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        k = k.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
-        v = v.float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
-        q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        if end > start:
+            lens = torch.tensor([seq_lens[i]], device=q.device)
+            out[start:end] = _attend(q[None, start:end], kv_cache, block_tables[i : i + 1], lens, seq_lens[i],
+                                     scale)[0]
     return out
+
+
+def _attend(q, kv_cache, block_tables, seq_lens, max_len: int, scale: float) -> torch.Tensor:
+    """q [rows, num_q, heads, dim], each row's queries being the last num_q
+    positions of its sequence; keys past a row's seq_len are masked."""
+    num_heads, head_dim = q.shape[2], q.shape[3]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_blocks = -(-max_len // block_size)
+    blocks = block_tables[:, :num_blocks].long()  # [rows, num_blocks]
+    k = kv_cache[0, blocks].flatten(1, 2)[:, :max_len]  # [rows, max_len, kv_heads, dim]
+    v = kv_cache[1, blocks].flatten(1, 2)[:, :max_len]
+    group = num_heads // num_kv_heads
+    k = k.float().repeat_interleave(group, dim=2)
+    v = v.float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("rqhd,rkhd->rhqk", q.float(), k) * scale
+    num_q = q.shape[1]
+    q_pos = seq_lens[:, None] - num_q + torch.arange(num_q, device=q.device)[None, :]  # [rows, num_q]
+    k_pos = torch.arange(max_len, device=q.device)
+    masked = k_pos[None, None, :] > q_pos[:, :, None]  # causal, and past the row's length
+    scores.masked_fill_(masked[:, None], float("-inf"))
+    return torch.einsum("rhqk,rkhd->rqhd", scores.softmax(dim=-1), v).to(q.dtype)

@@ -1,0 +1,131 @@
+"""Streaming throughput: AsyncEngine over ZeroMQ (1 and 2 frontend processes)
+against the engine core driven in-process, on one workload.
+
+    python benchmarks/streaming.py [--model DIR] [--num-requests 256] [--prompt-len 32]
+                                   [--max-tokens 64] [--device auto]
+
+Every path runs the same requests (seeded random prompts, ignore_eos, so
+every run generates the same number of tokens). The in-process path calls
+EngineCore.step() in a loop with no sockets and no detokenization; the ZMQ
+paths stream DELTA outputs with incremental detokenization in the frontend
+processes. Prints output tokens/s per path and the ratio to in-process.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+
+
+def workload(n: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]
+
+
+def in_process(args, prompts) -> float:
+    from headrace.core.config import EngineArgs
+    from headrace.core.engine import EngineCore
+    from headrace.core.sampling_params import SamplingParams
+
+    core = EngineCore(EngineArgs(model=args.model, device=args.device, max_num_seqs=args.num_requests))
+    sp = SamplingParams(temperature=0.6, max_tokens=args.max_tokens, ignore_eos=True)
+    _warm(lambda: core.add_request("warm", prompts[0], sp, time.time()), core)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, sp, time.time())
+    tokens = 0
+    while core.has_unfinished:
+        tokens += sum(len(o.new_token_ids) // 4 for o in core.step())
+    return tokens / (time.perf_counter() - t0)
+
+
+def _warm(add, core) -> None:
+    add()
+    while core.has_unfinished:
+        core.step()
+
+
+async def frontend(address: str, prompts, max_tokens: int) -> int:
+    from headrace import AsyncEngine, RequestOutputKind, SamplingParams
+
+    sp = SamplingParams(temperature=0.6, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    async with AsyncEngine.connect(address) as engine:
+        async def one(p):
+            n = 0
+            async for out in engine.generate(p, sp):
+                n += len(out.outputs[0].token_ids)
+            return n
+
+        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def over_zmq(args, prompts, num_frontends: int) -> float:
+    from headrace.frontend.async_engine import run
+    from headrace.frontend.core_process import private_ipc_address
+
+    address, _ = private_ipc_address()
+    core = subprocess.Popen([sys.executable, "-m", "headrace.frontend.cli", "core", "--model", args.model,
+                             "--address", address, "--device", args.device,
+                             "--max-num-seqs", str(args.num_requests)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "serving" in core.stdout.readline()
+        run(frontend(address, prompts[:1], 4))  # warm-up
+        shards = [prompts[i::num_frontends] for i in range(num_frontends)]
+        cmd = [sys.executable, __file__, "--frontend", address, "--max-tokens", str(args.max_tokens)]
+        procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 for _ in shards]
+        for p in procs:  # wait until each frontend has imported everything
+            assert p.stdout.readline().strip() == "ready"
+        t0 = time.perf_counter()
+        for p, shard in zip(procs, shards):
+            p.stdin.write(json.dumps(shard) + "\n")
+            p.stdin.flush()
+        tokens = sum(int(p.stdout.readline()) for p in procs)
+        elapsed = time.perf_counter() - t0
+        for p in procs:
+            p.wait()
+        return tokens / elapsed
+    finally:
+        core.terminate()
+        core.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--frontend", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.frontend:  # a frontend process: report readiness, read prompts, print tokens received
+        from headrace.frontend.async_engine import run  # import everything before timing starts
+
+        print("ready", flush=True)
+        prompts = json.loads(sys.stdin.readline())
+        print(run(frontend(args.frontend, prompts, args.max_tokens)), flush=True)
+        return
+    if args.model is None:
+        from headrace.testing import demo_checkpoint
+
+        args.model = str(demo_checkpoint())
+    from headrace.core.config import ModelConfig
+
+    vocab = ModelConfig.from_dir(args.model).vocab_size
+    prompts = workload(args.num_requests, args.prompt_len, vocab)
+    results = {"in-process": in_process(args, prompts)}
+    for n in (1, 2):
+        results[f"zmq, {n} frontend{'s' if n > 1 else ''}"] = over_zmq(args, prompts, n)
+    base = results["in-process"]
+    print(f"{args.num_requests} streams, prompt {args.prompt_len}, {args.max_tokens} output tokens each")
+    for name, tps in results.items():
+        print(f"{name:>20}: {tps:10.1f} output tokens/s  ({tps / base:.3f} of in-process)")
+
+
+if __name__ == "__main__":
+    main()
