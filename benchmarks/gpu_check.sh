@@ -11,3 +11,4 @@ export PYTHONPATH=/tmp/hr:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu_tests.log"
+python3 benchmarks/streaming.py --device cuda 2>&1 | grep -v -i warn | tee "${OUT:-/tmp}/streaming.log"
