@@ -8,7 +8,9 @@ Every path runs the same requests (seeded random prompts, ignore_eos, so
 every run generates the same number of tokens). The in-process path calls
 EngineCore.step() in a loop with no sockets and no detokenization; the ZMQ
 paths stream DELTA outputs with incremental detokenization in the frontend
-processes. Prints output tokens/s per path and the ratio to in-process.
+processes. Prints output tokens/s per path (median of --repeats interleaved
+runs), the ratio to in-process, the steps taken and the share of wall time
+the core spent inside steps (the rest is socket handling and waiting).
 """
 from __future__ import annotations
 
@@ -34,19 +36,28 @@ def in_process(args, prompts) -> float:
     core = EngineCore(EngineArgs(model=args.model, device=args.device, max_num_seqs=args.num_requests))
     sp = SamplingParams(temperature=0.6, max_tokens=args.max_tokens, ignore_eos=True)
     _warm(lambda: core.add_request("warm", prompts[0], sp, time.time()), core)
+    steps, busy = core.num_steps, core.step_seconds
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         core.add_request(str(i), p, sp, time.time())
     tokens = 0
     while core.has_unfinished:
         tokens += sum(len(o.new_token_ids) // 4 for o in core.step())
-    return tokens / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    return tokens / elapsed, core.num_steps - steps, (core.step_seconds - busy) / elapsed
 
 
 def _warm(add, core) -> None:
     add()
     while core.has_unfinished:
         core.step()
+
+
+async def core_stats(address: str):
+    from headrace import AsyncEngine
+
+    async with AsyncEngine.connect(address) as engine:
+        return await engine.stats()
 
 
 async def frontend(address: str, prompts, max_tokens: int) -> int:
@@ -74,6 +85,7 @@ def over_zmq(args, prompts, num_frontends: int) -> float:
     try:
         assert "serving" in core.stdout.readline()
         run(frontend(address, prompts[:1], 4))  # warm-up
+        before = run(core_stats(address))
         shards = [prompts[i::num_frontends] for i in range(num_frontends)]
         cmd = [sys.executable, __file__, "--frontend", address, "--max-tokens", str(args.max_tokens)]
         procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -88,7 +100,8 @@ def over_zmq(args, prompts, num_frontends: int) -> float:
         elapsed = time.perf_counter() - t0
         for p in procs:
             p.wait()
-        return tokens / elapsed
+        after = run(core_stats(address))
+        return tokens / elapsed, after.num_steps - before.num_steps, (after.step_seconds - before.step_seconds) / elapsed
     finally:
         core.terminate()
         core.wait()
@@ -101,6 +114,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each path; the median is printed")
     parser.add_argument("--frontend", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.frontend:  # a frontend process: report readiness, read prompts, print tokens received
@@ -118,13 +132,23 @@ def main() -> None:
 
     vocab = ModelConfig.from_dir(args.model).vocab_size
     prompts = workload(args.num_requests, args.prompt_len, vocab)
-    results = {"in-process": in_process(args, prompts)}
-    for n in (1, 2):
-        results[f"zmq, {n} frontend{'s' if n > 1 else ''}"] = over_zmq(args, prompts, n)
-    base = results["in-process"]
-    print(f"{args.num_requests} streams, prompt {args.prompt_len}, {args.max_tokens} output tokens each")
-    for name, tps in results.items():
-        print(f"{name:>20}: {tps:10.1f} output tokens/s  ({tps / base:.3f} of in-process)")
+    paths = {
+        "in-process": lambda: in_process(args, prompts),
+        "zmq, 1 frontend": lambda: over_zmq(args, prompts, 1),
+        "zmq, 2 frontends": lambda: over_zmq(args, prompts, 2),
+    }
+    runs = {name: [] for name in paths}
+    for _ in range(args.repeats):  # interleaved, so drifts in machine speed hit every path alike
+        for name, path in paths.items():
+            runs[name].append(path())
+    results = {name: sorted(r)[len(r) // 2] for name, r in runs.items()}  # median by tokens/s
+    base = results["in-process"][0]
+    print(f"{args.num_requests} streams, prompt {args.prompt_len}, {args.max_tokens} output tokens each; "
+          f"median of {args.repeats} (all runs, tokens/s: " +
+          "; ".join(f"{n}: {', '.join(f'{r[0]:.0f}' for r in rs)}" for n, rs in runs.items()) + ")")
+    for name, (tps, steps, busy) in results.items():
+        print(f"{name:>20}: {tps:10.1f} output tokens/s  ({tps / base:.3f} of in-process)  "
+              f"{steps} steps, core busy {busy:.0%} of the time")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 from headrace.core.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
@@ -25,6 +26,8 @@ class EngineCore:
         self.cache_config = CacheConfig(args.block_size, self.executor.num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.cache_config)
         self._rng = random.Random(args.seed)  # seeds for requests that bring none
+        self.num_steps = 0
+        self.step_seconds = 0.0  # wall time spent inside step()
 
     @property
     def has_unfinished(self) -> bool:
@@ -59,6 +62,14 @@ class EngineCore:
         return aborted
 
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - start
+
+    def _step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens:
             # Admission always fits one request into an empty pool, so an idle
@@ -99,4 +110,6 @@ class EngineCore:
             num_blocks=self.cache_config.num_blocks,
             num_slots_used=len(self.executor.states.req_to_slot),
             num_preemptions=sched.num_preemptions,
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
         )

@@ -134,6 +134,8 @@ class Stats(_Msg, tag="stats"):
     num_blocks: int
     num_slots_used: int
     num_preemptions: int
+    num_steps: int
+    step_seconds: float  # wall time the busy loop spent in steps
     num_frontends: int
 
 
