@@ -36,3 +36,12 @@ def uniform_ref(
 def gumbel_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel noise [num_rows, vocab_size] float32: argmax(logits + noise) samples softmax(logits)."""
     return -torch.log(-torch.log(uniform_ref(seeds, positions, vocab_size))).float()
+
+
+def gumbel_sample_ref(
+    logits: torch.Tensor,  # [num_rows, vocab] float32: temperature-scaled, filtered (-inf = banned)
+    seeds: torch.Tensor,  # [num_rows] int64
+    positions: torch.Tensor,  # [num_rows] int64
+) -> torch.Tensor:  # [num_rows] int64
+    """Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits)."""
+    return (logits + gumbel_ref(seeds, positions, logits.shape[-1])).argmax(dim=-1)
