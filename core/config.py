@@ -216,6 +216,8 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    logprobs_mode: str = "raw"
+    logits_processors: tuple = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -231,6 +233,12 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        if isinstance(self.logits_processors, (str, type)) or not isinstance(self.logits_processors, (tuple, list)):
+            raise ValueError("logits_processors must be a sequence of LogitsProcessor classes or "
+                             "'module:Class' strings")
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

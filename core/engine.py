@@ -6,7 +6,7 @@ import time
 
 from headrace.core.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
-from headrace.core.sampling_params import SamplingParams
+from headrace.core.sampling_params import SamplingParams, check_token_ids
 from headrace.core.request import Request
 from headrace.core.scheduler import Scheduler
 from headrace.executor.model_runner import ModelRunner
@@ -51,6 +51,7 @@ class EngineCore:
         if bad:
             raise ValueError(f"request {request_id!r}: prompt token ids {bad[:5]} are outside [0, {vocab})")
         sp = sampling_params
+        check_token_ids(sp, vocab)
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
         self.scheduler.add_request(
             Request(request_id, prompt_token_ids, sp, self.model_config.eos_token_ids, seed, arrival_time)
@@ -93,11 +94,12 @@ class EngineCore:
                 first_token_time=req.first_token_time,
                 finished_time=req.finished_time,
             )
-            if lp is not None and req.sampling_params.logprobs is not None:
-                k = 1 + req.sampling_params.logprobs
+            if lp is not None and req.sampling_params.num_logprobs is not None:
+                k = 1 + req.sampling_params.num_logprobs
                 out.logprob_token_ids = pack_ids(lp.token_ids[u.row, :k])
-                out.logprobs = pack_floats(lp.logprobs[u.row, :k])
+                out.logprobs = pack_floats(lp.scores[u.row, :k])
                 out.sampled_ranks = pack_ids(lp.sampled_ranks[u.row : u.row + 1])
+                out.sampled_logprobs = pack_floats(lp.sampled_logprobs[u.row : u.row + 1])
             outputs.append(out)
         return outputs
 

@@ -94,7 +94,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step did for one request.
 
     Logprobs, when asked for, come per new token as k = 1 + N columns: the
-    sampled token first, then the top-N in rank order.
+    sampled token first, then the top-N in rank order or the requested
+    logprob_token_ids; their values are after the request's act_func.
+    sampled_logprobs holds the sampled tokens' log_softmax values, which
+    cumulative_logprob sums whatever act_func says.
     """
 
     request_id: str
@@ -102,6 +105,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprob_token_ids: bytes = b""  # int32 [num_new, k]
     logprobs: bytes = b""  # float32 [num_new, k]
     sampled_ranks: bytes = b""  # int32 [num_new]
+    sampled_logprobs: bytes = b""  # float32 [num_new]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | None = None
     num_cached_tokens: int = 0

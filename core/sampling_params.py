@@ -1,12 +1,18 @@
 """SamplingParams: how one request generates, validated at construction."""
 from __future__ import annotations
 
+import difflib
 import enum
+from typing import Any
 
 import msgspec
 
-# Largest number of top logprobs a request may ask for per position.
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top-N logprobs per position, and prompt logprobs
+MAX_LOGPROB_TOKEN_IDS = 128  # ids in logprob_token_ids
+MAX_LOGIT_BIAS = 1024  # entries in logit_bias
+MAX_STOP_TOKEN_IDS = 64
+ACT_FUNCS = ("log_softmax", "sigmoid")
+LOGPROBS_MODES = ("raw", "processed")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -18,15 +24,9 @@ class RequestOutputKind(enum.IntEnum):
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """vLLM-compatible generation parameters of one request.
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1 and
-    min_p 0 disable those filters. max_tokens None generates until the
-    model's length limit. logprobs N returns the top-N log-probabilities of
-    each generated position plus the sampled token's.
-
-    Stop strings, output kinds and detokenization options are applied by
-    the frontend: `stop` ends a request when its text contains one of the
-    strings (the match is cut off unless include_stop_str_in_output), and
-    no streamed text ever shows a match or what follows it.
+    Every field, its meaning and its range are listed in docs/sampling.md.
+    Values out of range raise ValueError naming the field. Token ids are
+    checked against the model's vocabulary when the request is submitted.
     """
 
     n: int = 1
@@ -35,15 +35,29 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     max_tokens: int | None = 16
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
-    logprobs: int | None = None
     stop: list[str] | str | None = None
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    act_func: str | None = None
+    logprobs_mode: str | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None
+    # Filled by the frontend from bad_words: the token sequences to ban.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         for name, types in _TYPES.items():
@@ -52,38 +66,119 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
                 raise ValueError(f"{name} must be of type {' or '.join(t.__name__ for t in types)}, got {value!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.stop is not None and not all(isinstance(x, str) and x for x in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
             except ValueError:
                 raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
                                  f"got {self.output_kind!r}") from None
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self._check_ranges()
+        self._check_token_lists()
+        self._resolve_act_func()
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} or None, got {self.logprobs_mode!r}")
+
+    def _check_ranges(self) -> None:
+        _range("n", self.n, 1, 128)
+        if not self.temperature >= 0.0 or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _range("min_p", self.min_p, 0.0, 1.0)
+        _range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _range(name, value, 0, MAX_LOGPROBS)
+
+    def _check_token_lists(self) -> None:
+        if self.stop is not None and not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.bad_words is not None and not all(isinstance(x, str) and x for x in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        _ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
+        if self.allowed_token_ids is not None:
+            _ids("allowed_token_ids", self.allowed_token_ids, None)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if self.logit_bias is not None:
+            _ids("logit_bias", list(self.logit_bias), MAX_LOGIT_BIAS)
+            for tid, bias in self.logit_bias.items():
+                if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias[{tid}] must be a number in [-100, 100], got {bias!r}")
+        if self.logprob_token_ids is not None:
+            _ids("logprob_token_ids", self.logprob_token_ids, MAX_LOGPROB_TOKEN_IDS)
+            if len(set(self.logprob_token_ids)) != len(self.logprob_token_ids):
+                raise ValueError("logprob_token_ids must not repeat an id")
+            if self.logprobs is not None and self.logprobs != len(self.logprob_token_ids):
+                raise ValueError(
+                    f"logprobs={self.logprobs} contradicts logprob_token_ids, which asks for "
+                    f"{len(self.logprob_token_ids)} ids; leave logprobs unset (or equal to that count)"
+                )
+        if self.bad_words_token_ids is not None:
+            for seq in self.bad_words_token_ids:
+                _ids("bad_words_token_ids", seq, None)
+
+    def _resolve_act_func(self) -> None:
+        alias = (self.extra_args or {}).get("activation_func")
+        if alias is not None:
+            if self.act_func is not None and self.act_func != alias:
+                raise ValueError(f"act_func={self.act_func!r} contradicts extra_args activation_func={alias!r}")
+            self.act_func = alias
+        if self.act_func is None:
+            self.act_func = "log_softmax"
+        if self.act_func not in ACT_FUNCS:
+            hint = difflib.get_close_matches(str(self.act_func), ACT_FUNCS, n=1)
+            did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise ValueError(f"act_func must be one of {ACT_FUNCS}, got {self.act_func!r}{did_you_mean}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Entries per generated position besides the sampled token, or None."""
+        if self.logprob_token_ids is not None:
+            return len(self.logprob_token_ids)
+        return self.logprobs
+
+
+def check_token_ids(sp: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError naming the field if a token id lies outside the vocabulary."""
+    fields = {
+        "logit_bias": list(sp.logit_bias or ()),
+        "allowed_token_ids": sp.allowed_token_ids or [],
+        "logprob_token_ids": sp.logprob_token_ids or [],
+        "bad_words_token_ids": [t for seq in sp.bad_words_token_ids or () for t in seq],
+    }
+    for name, ids in fields.items():
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def _range(name: str, value, low, high) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _ids(name: str, ids: list, max_len: int | None) -> None:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{name} must hold non-negative integer token ids, got {ids!r}")
+    if max_len is not None and len(ids) > max_len:
+        raise ValueError(f"{name} holds {len(ids)} entries; at most {max_len} are allowed")
 
 
 _TYPES = {
@@ -93,12 +188,25 @@ _TYPES = {
     "top_k": (int,),
     "min_p": (float, int),
     "seed": (int, type(None)),
+    "presence_penalty": (float, int),
+    "frequency_penalty": (float, int),
+    "repetition_penalty": (float, int),
+    "logit_bias": (dict, type(None)),
+    "allowed_token_ids": (list, type(None)),
+    "bad_words": (list, type(None)),
     "max_tokens": (int, type(None)),
+    "min_tokens": (int,),
     "ignore_eos": (bool,),
     "stop_token_ids": (list,),
-    "logprobs": (int, type(None)),
     "stop": (list, str, type(None)),
     "include_stop_str_in_output": (bool,),
+    "logprobs": (int, type(None)),
+    "prompt_logprobs": (int, type(None)),
+    "logprob_token_ids": (list, type(None)),
+    "act_func": (str, type(None)),
+    "logprobs_mode": (str, type(None)),
     "skip_special_tokens": (bool,),
     "spaces_between_special_tokens": (bool,),
+    "extra_args": (dict, type(None)),
+    "bad_words_token_ids": (list, type(None)),
 }

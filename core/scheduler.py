@@ -25,6 +25,7 @@ class NewRequestData:
 
     req_id: str
     token_ids: list[int]  # every known token: prompt, plus outputs if it was preempted
+    num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
@@ -128,7 +129,7 @@ class Scheduler:
                 req.first_scheduled_time = time.time()
             self.running.append(req)
             out.new_reqs.append(
-                NewRequestData(req.request_id, list(req.all_token_ids), list(req.block_ids),
+                NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens, list(req.block_ids),
                                num_computed, req.sampling_params, req.seed)
             )
             out.num_scheduled_tokens[req.request_id] = n

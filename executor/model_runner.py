@@ -12,6 +12,8 @@ from headrace.core.scheduler import SchedulerOutput
 from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.models.loader import load_model
 from headrace.executor.sampler import SampledLogprobs, sample
+from headrace.executor.logits_processors import load_logits_processors
+from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 
 
@@ -62,7 +64,11 @@ class ModelRunner:
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
         max_blocks_per_req = -(-sched_cfg.max_model_len // self.block_size)
-        self.states = RequestStates(sched_cfg.max_num_seqs, sched_cfg.max_model_len, max_blocks_per_req, self.device)
+        sampling = SamplingState(sched_cfg.max_num_seqs, model_cfg.vocab_size, model_cfg.eos_token_ids,
+                                 args.logprobs_mode == "processed", self.device)
+        self.states = RequestStates(sched_cfg.max_num_seqs, sched_cfg.max_model_len, max_blocks_per_req,
+                                    self.device, sampling)
+        self.processors = [make(model_cfg.vocab_size, self.device) for make in load_logits_processors(args)]
 
     def _num_blocks(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> int:
         per_seq = -(-sched_cfg.max_model_len // self.block_size)
@@ -91,14 +97,19 @@ class ModelRunner:
     def remove(self, req_ids) -> None:
         """Free the slots of requests that left (finished, aborted, preempted)."""
         for req_id in req_ids:
-            self.states.remove(req_id)
+            slot = self.states.remove(req_id)
+            if slot is not None:
+                for proc in self.processors:
+                    proc.remove_request(slot)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states
         self.remove(sched.finished_req_ids)
         for new in sched.new_reqs:
-            states.add(new)
+            slot = states.add(new)
+            for proc in self.processors:
+                proc.add_request(slot, new.sampling_params, new.token_ids[: new.num_prompt_tokens])
         for cached in sched.cached_reqs:
             states.update(cached)
         states.apply_staged()
@@ -106,11 +117,12 @@ class ModelRunner:
         batch = prepare_inputs(states, sched.num_scheduled_tokens, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sampled, logprobs = sample(logits, batch, states)
-        self._advance(batch, sampled)
-        return ModelRunnerOutput(batch.req_ids, sampled.tolist(), logprobs)
+        sampled, logprobs = sample(logits, batch, states, self.processors)
+        sampled_host = sampled.tolist()  # the step's one device-to-host sync
+        self._advance(batch, sampled, sampled_host)
+        return ModelRunnerOutput(batch.req_ids, sampled_host, logprobs)
 
-    def _advance(self, batch, sampled: torch.Tensor) -> None:
+    def _advance(self, batch, sampled: torch.Tensor, sampled_host: list[int]) -> None:
         """Move each slot past this step on the device and the host: computed
         counts grow by the scheduled tokens, and rows that computed their
         last known token append the sampled one (the next step reads it from
@@ -126,3 +138,9 @@ class ModelRunner:
             pos_t = torch.from_numpy(pos).to(self.device)
             states.token_ids.gpu[batch.idx_mapping[rows_t], pos_t] = sampled[rows_t].to(torch.int32)
             states.num_tokens[slots[rows]] += 1
+            tokens = [sampled_host[r] for r in rows.tolist()]
+            states.sampling.append(slots[rows], tokens)
+            for proc in self.processors:
+                if hasattr(proc, "record"):
+                    for slot, token in zip(slots[rows].tolist(), tokens):
+                        proc.record(slot, token)

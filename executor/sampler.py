@@ -1,9 +1,16 @@
 """Batched sampling from the per-slot sampling state.
 
-Order of filters, as transformers applies its warpers: temperature, top-k,
-top-p, min-p; then Gumbel-max with the counter-based random source. Work no
-row needs is skipped: an all-greedy batch only takes an argmax, and
-log-softmax statistics are computed only when some row asks for logprobs.
+Per step, on the logits of each row's last token:
+1. processing, in this order: allowed_token_ids, bad words, min_tokens
+   (stop tokens and EOS masked), logit_bias, repetition/presence/frequency
+   penalties, custom logits processors;
+2. temperature, then top-k, top-p, min-p (as transformers' warpers);
+3. greedy rows take the argmax of the processed logits, others a
+   Gumbel-max sample keyed by (seed, position, token id);
+4. logprobs, for rows that ask, from the raw or the processed logits
+   (logprobs_mode), through log_softmax or sigmoid (act_func): the sampled
+   token, then the top-N or the requested logprob_token_ids.
+Every stage that no row of the batch needs is skipped.
 """
 from __future__ import annotations
 
@@ -13,58 +20,146 @@ import numpy as np
 import torch
 
 from headrace.executor.input_batch import InputBatch
+from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
-from headrace.kernels.sampling import gumbel_ref
+from headrace.kernels import dispatch
+from headrace.kernels.logprobs import ACT_LOG_SOFTMAX
 
 
 @dataclass
 class SampledLogprobs:
-    """Raw (log_softmax of the model's logits) logprobs of each row.
+    """Per row: k_row valid columns, the sampled token first."""
 
-    Column 0 is the sampled token, columns 1.. the top-N in rank order.
-    """
-
-    token_ids: np.ndarray  # [num_rows, 1 + max_n] int64
-    logprobs: np.ndarray  # [num_rows, 1 + max_n] float32
+    token_ids: np.ndarray  # [num_rows, k] int64
+    scores: np.ndarray  # [num_rows, k] float32, after act_func
     sampled_ranks: np.ndarray  # [num_rows] int64, 1 = most likely
+    sampled_logprobs: np.ndarray  # [num_rows] float32, log_softmax of the sampled token (cumulative_logprob)
+
+
+@dataclass
+class ProcessorBatch:
+    """What a custom logits processor sees of the batch."""
+
+    slots: np.ndarray  # [num_rows] batch row -> slot
+    num_output_tokens: np.ndarray  # [num_rows] tokens generated so far
 
 
 def sample(
     logits: torch.Tensor,  # [num_rows, vocab] float32
     batch: InputBatch,
     states: RequestStates,
+    processors=(),
 ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+    st = states.sampling
+    slots = batch.idx_mapping_np
     idx = batch.idx_mapping
-    temperature = states.temperature.np[batch.idx_mapping_np]
-    greedy_ids = logits.argmax(dim=-1)
-    if (temperature == 0).all():
+    num_tokens = states.num_tokens[slots]  # [num_rows] known tokens: prompt + outputs
+    positions = torch.from_numpy(batch.seq_lens_np).to(logits.device)  # where the sampled token goes
+    processed = _process(logits, slots, idx, st, states.token_ids.gpu, num_tokens, processors)
+    greedy_ids = processed.argmax(dim=-1)
+    final = processed
+    if (st.temperature.np[slots] == 0).all():
         sampled = greedy_ids
     else:
-        temp = states.temperature.gpu[idx]
+        temp = st.temperature.gpu[idx]
         greedy = temp == 0
-        scaled = logits / torch.where(greedy, 1.0, temp)[:, None]
-        scaled = _apply_filters(scaled, batch, states)
-        positions = torch.from_numpy(batch.seq_lens_np).to(logits.device)  # the new token's position
-        noise = gumbel_ref(states.seed.gpu[idx], positions, logits.shape[-1])
-        sampled = torch.where(greedy, greedy_ids, (scaled + noise).argmax(dim=-1))
-
-    num_logprobs = states.num_logprobs.np[batch.idx_mapping_np]
-    max_n = int(num_logprobs.max())
-    if max_n < 0:
+        final = _apply_filters(processed / torch.where(greedy, 1.0, temp)[:, None], slots, idx, st)
+        sampled = torch.where(greedy, greedy_ids, dispatch.gumbel_sample(final, st.seed.gpu[idx], positions))
+    if (st.num_logprobs.np[slots] < 0).all():
         return sampled, None
-    return sampled, _logprobs(logits, sampled, max_n)
+    return sampled, _logprobs(logits, final, sampled, slots, idx, st)
 
 
-def _apply_filters(scaled: torch.Tensor, batch: InputBatch, states: RequestStates) -> torch.Tensor:
-    rows = batch.idx_mapping_np
-    idx = batch.idx_mapping
-    use_top_k = (states.top_k.np[rows] > 0).any()
-    use_top_p = (states.top_p.np[rows] < 1.0).any()
+def _process(logits, slots, idx, st: SamplingState, token_ids, num_tokens, processors) -> torch.Tensor:
+    num_output = num_tokens - st.num_prompt.np[slots]
+    allowed = st.has_allowed.np[slots]
+    bad_rows = [r for r, s in enumerate(slots.tolist()) if s in st.bad_words]
+    min_rows = np.nonzero((st.min_tokens.np[slots] > num_output) & (st.num_stop_ids.np[slots] > 0))[0]
+    bias_rows = np.nonzero(st.num_bias.np[slots] > 0)[0]
+    pen_rows = np.nonzero((st.repetition.np[slots] != 1) | (st.presence.np[slots] != 0)
+                          | (st.frequency.np[slots] != 0))[0]
+    if not (allowed.any() or bad_rows or min_rows.size or bias_rows.size or pen_rows.size or processors):
+        return logits
+    x = logits.clone()
+    dev = x.device
+    if allowed.any():
+        x.masked_fill_(~st.allowed.gpu[idx] & st.has_allowed.gpu[idx][:, None], float("-inf"))
+    if bad_rows:
+        rows, toks = _banned_by_bad_words(bad_rows, slots, st)
+        if rows:
+            x[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
+    if min_rows.size:
+        _mask_ids(x, min_rows, st.stop_ids.gpu, st.num_stop_ids.gpu, idx, float("-inf"), add=False)
+    if bias_rows.size:
+        _mask_ids(x, bias_rows, st.bias_ids.gpu, st.num_bias.gpu, idx, st.bias_values.gpu, add=True)
+    if pen_rows.size:
+        rows = torch.from_numpy(pen_rows).to(dev)
+        sub = x[rows]
+        counts, prompt_mask = _token_counts(token_ids, pen_rows, slots, st, num_tokens, x.shape[1])
+        ar = torch.arange(len(pen_rows), device=dev)
+        dispatch.apply_penalties(sub, ar, counts, prompt_mask, st.repetition.gpu[idx[rows]],
+                                 st.presence.gpu[idx[rows]], st.frequency.gpu[idx[rows]])
+        x[rows] = sub
+    if processors:
+        view = ProcessorBatch(slots=slots, num_output_tokens=num_output)
+        for proc in processors:
+            proc.apply(x, view)
+    return x
+
+
+def _mask_ids(x, rows_np, ids, counts, idx, value, add: bool) -> None:
+    """For the given rows, set (or add) value at each of the slot's listed ids."""
+    rows = torch.from_numpy(rows_np).to(x.device)
+    slot_rows = idx[rows]
+    row_ids = ids[slot_rows]  # [n, max]
+    valid = torch.arange(row_ids.shape[1], device=x.device)[None, :] < counts[slot_rows][:, None]
+    r = rows[:, None].expand_as(row_ids)[valid]
+    c = row_ids[valid]
+    if add:
+        x.index_put_((r, c), value[slot_rows][valid], accumulate=True)
+    else:
+        x[r, c] = value
+
+
+def _banned_by_bad_words(bad_rows, slots, st: SamplingState):
+    """(row, token) pairs to ban: a bad word's last token, wherever the tokens
+    before it end the request's history (transformers' NoBadWordsLogitsProcessor)."""
+    rows, toks = [], []
+    for r in bad_rows:
+        history = st.history[int(slots[r])]
+        for seq in st.bad_words[int(slots[r])]:
+            prefix = seq[:-1]
+            if not prefix or history[len(history) - len(prefix):] == prefix:
+                rows.append(r)
+                toks.append(seq[-1])
+    return rows, toks
+
+
+def _token_counts(token_ids, rows_np, slots, st: SamplingState, num_tokens, vocab):
+    """Per given row: occurrences of each token among its outputs, and which occur in its prompt."""
+    dev = token_ids.device
+    slot_t = torch.from_numpy(slots[rows_np]).to(dev)
+    n_tok = torch.from_numpy(num_tokens[rows_np]).to(dev)
+    n_prompt = st.num_prompt.gpu[slot_t].long()
+    length = int(num_tokens[rows_np].max())
+    tokens = token_ids[slot_t, :length].long()  # [n, length]
+    pos = torch.arange(length, device=dev)[None, :]
+    is_output = (pos >= n_prompt[:, None]) & (pos < n_tok[:, None])
+    counts = torch.zeros(len(rows_np), vocab, dtype=torch.int32, device=dev)
+    counts.scatter_add_(1, tokens, is_output.int())
+    prompt_mask = torch.zeros(len(rows_np), vocab, dtype=torch.int32, device=dev)
+    prompt_mask.scatter_add_(1, tokens, (pos < n_prompt[:, None]).int())
+    return counts, prompt_mask > 0
+
+
+def _apply_filters(scaled: torch.Tensor, slots, idx, st: SamplingState) -> torch.Tensor:
+    use_top_k = (st.top_k.np[slots] > 0).any()
+    use_top_p = (st.top_p.np[slots] < 1.0).any()
     if use_top_k or use_top_p:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if use_top_k:
-            k = states.top_k.gpu[idx].long()
+            k = st.top_k.gpu[idx].long()
             k = torch.where(k > 0, k, scaled.shape[-1])
             ranks = torch.arange(scaled.shape[-1], device=scaled.device)
             remove |= ranks[None, :] >= k[:, None]
@@ -73,22 +168,42 @@ def _apply_filters(scaled: torch.Tensor, batch: InputBatch, states: RequestState
             # reaches top_p (always at least the top token).
             probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
-            remove |= mass_before >= states.top_p.gpu[idx][:, None]
+            remove |= mass_before >= st.top_p.gpu[idx][:, None]
             remove[:, 0] = False
         scaled = scaled.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
-    if (states.min_p.np[rows] > 0).any():
+    if (st.min_p.np[slots] > 0).any():
         probs = scaled.softmax(dim=-1)
-        threshold = states.min_p.gpu[idx][:, None] * probs.max(dim=-1, keepdim=True).values
+        threshold = st.min_p.gpu[idx][:, None] * probs.max(dim=-1, keepdim=True).values
         scaled = scaled.masked_fill(probs < threshold, float("-inf"))
     return scaled
 
 
-def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, max_n: int) -> SampledLogprobs:
-    """Top-N logprobs from the row max and log-sum-exp, with no [rows, vocab] logprob tensor."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [num_rows, 1]
-    sampled_logits = logits.gather(-1, sampled[:, None])
-    ranks = (logits > sampled_logits).sum(dim=-1) + 1
-    top_logits, top_ids = logits.topk(max_n, dim=-1) if max_n else (logits[:, :0], sampled[:, None][:, :0])
-    ids = torch.cat([sampled[:, None], top_ids], dim=-1)
-    lps = torch.cat([sampled_logits, top_logits], dim=-1) - lse
-    return SampledLogprobs(ids.cpu().numpy(), lps.cpu().numpy(), ranks.cpu().numpy())
+def _logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> SampledLogprobs:
+    """Logprob columns without a [rows, vocab] logprob tensor: a log-sum-exp
+    per row, then gathers."""
+    dev = raw.device
+    processed = st.processed.np[slots]
+    if not processed.any():
+        source = raw
+    elif processed.all():
+        source = final
+    else:
+        source = torch.where(st.processed.gpu[idx][:, None], final, raw)
+    num_n = st.num_logprobs.np[slots]
+    num_ids = st.num_lp_ids.np[slots]
+    max_n = int(num_n[num_ids == 0].max(initial=0))
+    max_ids = int(num_ids.max())
+    k = 1 + max(max_n, max_ids)
+    ids = torch.full((len(slots), k), -1, dtype=torch.long, device=dev)
+    ids[:, 0] = sampled
+    if max_n:
+        ids[:, 1 : 1 + max_n] = source.topk(max_n, dim=-1).indices  # rows with fewer use a prefix
+    if max_ids:  # the slow path: some rows ask for chosen ids
+        filled, _ = dispatch.fill_token_ids(idx, st.lp_ids.gpu, st.num_lp_ids.gpu, sampled)
+        id_rows = torch.from_numpy(num_ids > 0).to(dev)
+        ids[id_rows, 1 : 1 + max_ids] = filled[id_rows, 1 : 1 + max_ids]
+    scores = dispatch.compute_scores(source, ids, st.act.gpu[idx])
+    zeros = torch.full((len(slots),), ACT_LOG_SOFTMAX, dtype=torch.int32, device=dev)
+    sampled_lp = dispatch.compute_scores(source, sampled[:, None], zeros)[:, 0]
+    ranks = dispatch.token_ranks(source, sampled)
+    return SampledLogprobs(ids.cpu().numpy(), scores.cpu().numpy(), ranks.cpu().numpy(), sampled_lp.cpu().numpy())

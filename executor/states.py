@@ -8,12 +8,15 @@ tensor. Nothing here is rebuilt from Python objects each step.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from headrace.core.scheduler import CachedRequestData, NewRequestData
 
-_RANDOM_SEED_MASK = (1 << 64) - 1
+if TYPE_CHECKING:
+    from headrace.executor.sampling_state import SamplingState
 
 
 class StagedTensor:
@@ -53,7 +56,8 @@ class StagedTensor:
 class RequestStates:
     """slot -> everything the executor must know about its request."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, device: torch.device,
+                 sampling: SamplingState) -> None:
         self.max_num_reqs = max_num_reqs
         self.free_slots = list(range(max_num_reqs - 1, -1, -1))
         self.req_to_slot: dict[str, int] = {}
@@ -62,34 +66,22 @@ class RequestStates:
         self.token_ids = t(S, max_model_len, dtype=torch.int32, mirror=False)  # slot -> prompt + outputs
         self.block_table = t(S, max_blocks_per_req, dtype=torch.int32, mirror=False)  # slot -> KV block ids
         self.num_computed = t(S, dtype=torch.int32)  # slot -> tokens with KV in the cache
-        # Sampling state (our SamplingMetadata), per slot.
-        self.temperature = t(S, dtype=torch.float32)  # 0 = greedy
-        self.top_k = t(S, dtype=torch.int32)  # 0 = off
-        self.top_p = t(S, dtype=torch.float32)
-        self.min_p = t(S, dtype=torch.float32)
-        self.seed = t(S, dtype=torch.int64)
-        self.num_logprobs = t(S, dtype=torch.int32)  # -1 = none
         self.staged = [v for v in vars(self).values() if isinstance(v, StagedTensor)]
         # Host-only counters.
         self.num_tokens = np.zeros(S, dtype=np.int64)  # slot -> known tokens
         self.num_blocks = np.zeros(S, dtype=np.int64)  # slot -> blocks in its table row
+        self.sampling = sampling  # the per-slot sampling parameters
 
-    def add(self, new: NewRequestData) -> None:
+    def add(self, new: NewRequestData) -> int:
         slot = self.free_slots.pop()
         self.req_to_slot[new.req_id] = slot
-        sp = new.sampling_params
         self.token_ids.stage(slot, new.token_ids)
         self.block_table.stage(slot, new.block_ids)
         self.num_tokens[slot] = len(new.token_ids)
         self.num_blocks[slot] = len(new.block_ids)
         self.num_computed.stage(slot, new.num_computed_tokens)
-        self.temperature.stage(slot, sp.temperature)
-        self.top_k.stage(slot, sp.top_k if sp.top_k > 0 else 0)
-        self.top_p.stage(slot, sp.top_p)
-        self.min_p.stage(slot, sp.min_p)
-        seed = new.seed & _RANDOM_SEED_MASK
-        self.seed.stage(slot, seed - (1 << 64) if seed >= 1 << 63 else seed)  # as signed int64
-        self.num_logprobs.stage(slot, -1 if sp.logprobs is None else sp.logprobs)
+        self.sampling.add(slot, new.sampling_params, new.seed, new.token_ids, new.num_prompt_tokens)
+        return slot
 
     def update(self, cached: CachedRequestData) -> None:
         slot = self.req_to_slot[cached.req_id]
@@ -99,11 +91,14 @@ class RequestStates:
         if self.num_computed.np[slot] != cached.num_computed_tokens:
             self.num_computed.stage(slot, cached.num_computed_tokens)
 
-    def remove(self, req_id: str) -> None:
+    def remove(self, req_id: str) -> int | None:
         slot = self.req_to_slot.pop(req_id, None)
         if slot is not None:
+            self.sampling.remove(slot)
             self.free_slots.append(slot)
+        return slot
 
     def apply_staged(self) -> None:
         for tensor in self.staged:
             tensor.apply()
+        self.sampling.apply_staged()

@@ -7,12 +7,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import msgspec
 from transformers import AutoTokenizer
 
 from headrace.core.config import EngineArgs
 from headrace.core.outputs import RequestOutput
 from headrace.core.protocol import Ready, RequestError, StepOutputs
-from headrace.core.sampling_params import SamplingParams
+from headrace.core.sampling_params import SamplingParams, check_token_ids
 from headrace.frontend.client import EngineClient, EngineDeadError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
@@ -136,6 +137,7 @@ class AsyncEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params = self._resolve_params(params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -151,6 +153,19 @@ class AsyncEngine:
             self._states.pop(request_id, None)
             raise
         return state, queue
+
+    def _resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """Check token ids against the vocabulary and tokenize bad_words."""
+        check_token_ids(params, self.info.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            seqs = []
+            for word in params.bad_words:
+                for variant in (word, " " + word.lstrip()):  # as a word of its own and inside text
+                    ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                    if ids and ids not in seqs:
+                        seqs.append(ids)
+            params = msgspec.structs.replace(params, bad_words_token_ids=seqs)
+        return params
 
     def tokenize(self, prompt: Prompt, index: int | None = None) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) of a string, token-id list, chat messages or

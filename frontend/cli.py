@@ -45,6 +45,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, required=True, help="checkpoint directory or cached hub id")
         elif field.type in ("bool", bool):
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
+        elif field.type == "tuple":
+            parser.add_argument(flag, dest=field.name, nargs="*", default=(), metavar="MODULE:CLASS")
         else:
             kind = {"int": int, "int | None": int, "str": str, "str | None": str}[str(field.type)]
             parser.add_argument(flag, dest=field.name, type=kind, default=field.default)

@@ -22,10 +22,14 @@ def engine_args_to_cli(args: EngineArgs) -> list[str]:
     flags = []
     for field in dataclasses.fields(args):
         value = getattr(args, field.name)
-        if value is None or value == field.default and field.name != "model":
+        if value is None or value == field.default and field.name != "model" or value == ():
             continue
         flag = "--" + field.name.replace("_", "-")
-        if isinstance(value, bool):
+        if isinstance(value, tuple):
+            if not all(isinstance(v, str) for v in value):
+                raise ValueError(f"a spawned core takes {field.name} as 'module:Class' strings, got {value!r}")
+            flags += [flag, *value]
+        elif isinstance(value, bool):
             flags.append(flag if value else "--no-" + field.name.replace("_", "-"))
         else:
             flags += [flag, str(value)]

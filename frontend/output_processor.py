@@ -35,8 +35,9 @@ class RequestState:
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
         self._token_text = token_text
         self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        wants = params.num_logprobs is not None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if wants else None
+        self.cumulative_logprob = 0.0 if wants else None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -87,14 +88,20 @@ class RequestState:
         ids = unpack_ids(out.logprob_token_ids).reshape(num_new, -1)
         lps = unpack_floats(out.logprobs).reshape(num_new, -1)
         ranks = unpack_ids(out.sampled_ranks)
+        sampled_lps = unpack_floats(out.sampled_logprobs)
+        chosen = self.params.logprob_token_ids is not None  # requested ids have no rank, top-N their place
         for row in range(num_new):
-            entry = {int(t): Logprob(float(v), r) for r, (t, v) in enumerate(zip(ids[row, 1:], lps[row, 1:]), 1)}
+            entry = {int(t): Logprob(float(v), None if chosen else r)
+                     for r, (t, v) in enumerate(zip(ids[row, 1:], lps[row, 1:]), 1)}
             sampled = int(ids[row, 0])
-            entry.setdefault(sampled, Logprob(float(lps[row, 0]), int(ranks[row])))
+            if sampled in entry:
+                entry[sampled].rank = int(ranks[row])
+            else:
+                entry[sampled] = Logprob(float(lps[row, 0]), int(ranks[row]))
             for tid, lp in entry.items():
                 lp.decoded_token = self._token_text.of(tid)
             self.logprobs.append(entry)
-            self.cumulative_logprob += float(lps[row, 0])
+            self.cumulative_logprob += float(sampled_lps[row])
 
     def final_text(self) -> str:
         text = self.detok.text

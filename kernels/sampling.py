@@ -1,4 +1,4 @@
-"""Counter-based random numbers for sampling: torch reference.
+"""Counter-based random numbers for sampling: torch reference and Triton kernels.
 
 A request's noise at a position is a pure function of (seed, position,
 token id), so its samples do not depend on which other requests share the
@@ -9,6 +9,8 @@ kept below 2**63, so it is exact on any backend.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27, so (x < 2**32) * _MUL < 2**59
@@ -45,3 +47,113 @@ def gumbel_sample_ref(
 ) -> torch.Tensor:  # [num_rows] int64
     """Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits)."""
     return (logits + gumbel_ref(seeds, positions, logits.shape[-1])).argmax(dim=-1)
+
+
+# Triton. The hash is the same mixer on uint32: a uint32 product wraps modulo
+# 2**32, which is exactly the reference's `* _MUL & _M32`, and `>>` on
+# unsigned values is a logical shift, as on the reference's values in
+# [0, 2**32). uniform() pins the bits against uniform_ref with torch.equal.
+# The uniform and the Gumbel noise are computed in float64 (the interpreter
+# and the GPU both support float64 log), then the noise is rounded to float32
+# and added to float32 logits, as the reference does.
+_VOCAB_BLOCK = 1024
+
+
+@triton.jit
+def _mix32_tl(x):
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _row_key(seeds_ptr, positions_ptr, row):
+    """The row's uint32 key: the reference's `key`, from its seed and position."""
+    seed = tl.load(seeds_ptr + row)
+    lo = seed.to(tl.uint32)  # int64 -> uint32 truncates: seed & _M32
+    hi = (seed >> 32).to(tl.uint32)  # (seed >> 32) & _M32
+    key = _mix32_tl(lo ^ _mix32_tl(hi ^ 0x9E3779B9))
+    return _mix32_tl(key ^ tl.load(positions_ptr + row).to(tl.uint32))
+
+
+@triton.jit
+def _uniform_f64(key, token):
+    """(bits + 0.5) / 2**32 in float64, for int32 token ids and a uint32 key."""
+    bits = _mix32_tl(key ^ _mix32_tl(token.to(tl.uint32) ^ 0x632BE5AB))
+    return (bits.to(tl.float64) + 0.5) / 4294967296.0
+
+
+@triton.jit
+def _uniform_kernel(
+    seeds_ptr, positions_ptr,
+    out_ptr, out_stride,
+    vocab_size,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u = _uniform_f64(_row_key(seeds_ptr, positions_ptr, row), token)
+    tl.store(out_ptr + row * out_stride + token, u, mask=token < vocab_size)
+
+
+def uniform(
+    seeds: torch.Tensor,  # [num_rows] int64
+    positions: torch.Tensor,  # [num_rows] int64, the position of the token being sampled
+    vocab_size: int,
+) -> torch.Tensor:  # [num_rows, vocab_size] float64 in (0, 1), bit-identical to uniform_ref
+    num_rows = seeds.shape[0]
+    out = torch.empty((num_rows, vocab_size), dtype=torch.float64, device=seeds.device)
+    if num_rows == 0 or vocab_size == 0:
+        return out
+    grid = (num_rows, triton.cdiv(vocab_size, _VOCAB_BLOCK))
+    _uniform_kernel[grid](seeds, positions, out, out.stride(0), vocab_size, BLOCK=_VOCAB_BLOCK)
+    return out
+
+
+@triton.jit
+def _gumbel_sample_kernel(
+    logits_ptr, logits_stride,
+    seeds_ptr, positions_ptr,
+    out_ptr,
+    vocab_size,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    key = _row_key(seeds_ptr, positions_ptr, row)
+    offs = tl.arange(0, BLOCK)
+    # Per-lane running argmax: a lane keeps its earlier (smaller) index on a
+    # tie, and the final reduction takes the smallest index among the lanes
+    # that reach the maximum, so ties resolve to the first maximal index, as
+    # torch.argmax does. A row of only -inf samples token 0, as torch.argmax.
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = offs
+    for start in range(0, vocab_size, BLOCK):
+        token = start + offs
+        mask = token < vocab_size
+        x = tl.load(logits_ptr + row * logits_stride + token, mask=mask, other=float("-inf")).to(tl.float32)
+        u = _uniform_f64(key, token)
+        noise = (-tl.log(-tl.log(u))).to(tl.float32)
+        v = tl.where(mask, x + noise, float("-inf"))
+        better = v > best
+        best = tl.where(better, v, best)
+        best_idx = tl.where(better, token, best_idx)
+    top = tl.max(best, axis=0)
+    winner = tl.min(tl.where(best == top, best_idx, vocab_size), axis=0)
+    tl.store(out_ptr + row, winner.to(tl.int64))
+
+
+def gumbel_sample(
+    logits: torch.Tensor,  # [num_rows, vocab] float32: temperature-scaled, filtered (-inf = banned)
+    seeds: torch.Tensor,  # [num_rows] int64
+    positions: torch.Tensor,  # [num_rows] int64
+) -> torch.Tensor:  # [num_rows] int64
+    """Triton version of gumbel_sample_ref: argmax(logits + Gumbel noise), noise from the same hash."""
+    num_rows, vocab_size = logits.shape
+    assert logits.stride(-1) == 1
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    _gumbel_sample_kernel[(num_rows,)](
+        logits, logits.stride(0), seeds, positions, out, vocab_size, BLOCK=_VOCAB_BLOCK,
+    )
+    return out

@@ -1,6 +1,16 @@
 """Shared fixtures: tiny checkpoints, their transformers reference, engine helpers."""
 from __future__ import annotations
 
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when
+# headrace.kernels is first imported, which the imports below already do:
+# without a GPU, kernels must run under the interpreter, so set it first.
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import functools
 
 import pytest

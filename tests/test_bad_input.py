@@ -43,7 +43,7 @@ def test_sampling_params_types():
         SamplingParams(temperature="hot")
     with pytest.raises(ValueError, match="max_tokens must be of type"):
         SamplingParams(max_tokens=1.5)
-    with pytest.raises(ValueError, match="stop_token_ids must be a list of integers"):
+    with pytest.raises(ValueError, match="stop_token_ids must hold non-negative integer token ids"):
         SamplingParams(stop_token_ids=["a"])
 
 

@@ -424,6 +424,7 @@ def test_logprobs(tok, kind):
             logprob_token_ids=pack_ids([[r[0], *r[3]] for r in part]),
             logprobs=pack_floats([[r[1], *r[4]] for r in part]),
             sampled_ranks=pack_ids([r[2] for r in part]),
+            sampled_logprobs=pack_floats([r[1] for r in part]),
         )))
     assert pos == len(ids)
     got = [o.outputs[0] for o in outs if o is not None]

@@ -13,6 +13,7 @@ from transformers.generation.logits_process import (
 
 from headrace.core.sampling_params import SamplingParams
 from headrace.executor.sampler import _apply_filters, sample
+from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 from headrace.core.scheduler import NewRequestData
 
@@ -26,11 +27,12 @@ class _Batch:
         self.seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
 
 
-def make_states(params: list[SamplingParams], seeds=None) -> tuple[RequestStates, _Batch]:
-    states = RequestStates(len(params) + 2, 64, 4, torch.device("cpu"))
+def make_states(params: list[SamplingParams], seeds=None, vocab=300) -> tuple[RequestStates, _Batch]:
+    cpu = torch.device("cpu")
+    states = RequestStates(len(params) + 2, 64, 4, cpu, SamplingState(len(params) + 2, vocab, [1], False, cpu))
     for i, sp in enumerate(params):
         seed = seeds[i] if seeds else i
-        states.add(NewRequestData(f"r{i}", [1, 2, 3], [0], 0, sp, seed))
+        states.add(NewRequestData(f"r{i}", [1, 2, 3], 3, [0], 0, sp, seed))
     states.apply_staged()
     slots = [states.req_to_slot[f"r{i}"] for i in range(len(params))]
     return states, _Batch(slots, [3] * len(params))
@@ -63,7 +65,7 @@ def test_filters_match_transformers_warpers():
     logits = torch.randn(len(CASES), 300) * 3
     states, batch = make_states(CASES)
     temps = torch.tensor([sp.temperature for sp in CASES])
-    ours = _apply_filters(logits / temps[:, None], batch, states)
+    ours = _apply_filters(logits / temps[:, None], batch.idx_mapping_np, batch.idx_mapping, states.sampling)
     for i, sp in enumerate(CASES):
         ref = hf_filtered(logits[i : i + 1], sp)[0]
         assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), f"kept set differs for {sp}"
@@ -77,7 +79,7 @@ def test_sample_respects_filters_and_greedy_rows():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3),
               SamplingParams(temperature=5.0, top_p=0.3), SamplingParams(temperature=0)]
     for seed in range(30):
-        states, batch = make_states(params, seeds=[seed] * 4)
+        states, batch = make_states(params, seeds=[seed] * 4, vocab=200)
         batch.seq_lens_np = np.full(4, seed)
         tokens, lps = sample(logits, batch, states)
         assert lps is None
@@ -97,7 +99,8 @@ def test_sampling_params_validation():
         (dict(max_tokens=0), "max_tokens"),
         (dict(logprobs=-1), "logprobs"),
         (dict(logprobs=21), "logprobs"),
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
+        (dict(n=1000), "n"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(seed=2**64), "seed"),
         (dict(temperature=float("nan")), "temperature"),

@@ -1,0 +1,25 @@
+"""Which implementation of each sampling kernel a tensor gets: the Triton
+launcher on a CUDA device, the torch reference elsewhere."""
+from __future__ import annotations
+
+import torch
+
+from headrace.kernels import logprobs, penalties, sampling
+
+
+def _pick(ref, name: str, module):
+    launcher = getattr(module, name, None)
+
+    def run(first: torch.Tensor, *args):
+        fn = launcher if launcher is not None and first.is_cuda else ref
+        return fn(first, *args)
+
+    run.__name__ = name
+    return run
+
+
+apply_penalties = _pick(penalties.apply_penalties_ref, "apply_penalties", penalties)
+compute_scores = _pick(logprobs.compute_scores_ref, "compute_scores", logprobs)
+token_ranks = _pick(logprobs.token_ranks_ref, "token_ranks", logprobs)
+fill_token_ids = _pick(logprobs.fill_token_ids_ref, "fill_token_ids", logprobs)
+gumbel_sample = _pick(sampling.gumbel_sample_ref, "gumbel_sample", sampling)

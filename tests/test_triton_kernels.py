@@ -1,0 +1,190 @@
+"""Triton kernels in kernels/ against their torch references.
+
+Without a GPU they run under the Triton interpreter on the CPU. Triton reads
+TRITON_INTERPRET when a kernel is decorated (at import of headrace.kernels),
+so it is set here before any headrace or triton import, and also at the top of
+tests/conftest.py, which imports headrace before this module is collected.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from headrace.kernels.logprobs import (  # noqa: E402
+    compute_scores, compute_scores_ref, fill_token_ids, fill_token_ids_ref, token_ranks, token_ranks_ref,
+)
+from headrace.kernels.penalties import apply_penalties, apply_penalties_ref  # noqa: E402
+from headrace.kernels.sampling import gumbel_ref, gumbel_sample, gumbel_sample_ref, uniform, uniform_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (rows, vocab): the kernels' vocabulary block is 1024, so 1000 is one partial
+# block, 1024 exactly one, 2049 two and a 1-wide tail, 4099 four and a 3-wide tail.
+SHAPES = [(1, 1), (3, 7), (33, 7), (2, 1000), (17, 1024), (5, 4099), (33, 1000), (1, 4099), (9, 2049), (33, 4099)]
+
+
+def _gen(*key: int) -> torch.Generator:
+    seed = 0
+    for k in key:
+        seed = seed * 100_003 + k
+    return torch.Generator().manual_seed(seed)
+
+
+def _mostly(g, n: int, off: float, draw: torch.Tensor) -> torch.Tensor:
+    """Per slot either the off value or the drawn one, about half each."""
+    return torch.where(torch.rand(n, generator=g) < 0.5, torch.full((n,), off), draw)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns memory filled with garbage-like values, so a
+    launcher that leaves part of its output unwritten fails the comparison."""
+    real_empty = torch.empty
+
+    def empty(*size, dtype=None, **kwargs):
+        t = real_empty(*size, dtype=dtype, **kwargs)
+        if t.dtype == torch.bool:
+            t.view(torch.uint8).fill_(2)  # neither False nor True: compared as bytes below
+        elif t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        else:
+            t.fill_(-77)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_apply_penalties(rows, vocab):
+    g = _gen(1, rows, vocab)
+    num_slots = rows + 5
+    idx_mapping = torch.randperm(num_slots, generator=g)[:rows]
+    logits = torch.randn(rows, vocab, generator=g) * 3  # negative and positive
+    logits[torch.rand(rows, vocab, generator=g) < 0.05] = 0.0
+    counts = torch.randint(0, 4, (num_slots, vocab), generator=g, dtype=torch.int32)
+    counts[torch.rand(num_slots, vocab, generator=g) < 0.6] = 0
+    prompt_mask = torch.rand(num_slots, vocab, generator=g) < 0.3
+    repetition = _mostly(g, num_slots, 1.0, 0.5 + 1.5 * torch.rand(num_slots, generator=g))
+    presence = _mostly(g, num_slots, 0.0, torch.rand(num_slots, generator=g) * 4 - 2)
+    frequency = _mostly(g, num_slots, 0.0, torch.rand(num_slots, generator=g) * 2 - 1)
+    first = idx_mapping[0]  # row 0 has every penalty on and a generated token 0
+    repetition[first], presence[first], frequency[first], counts[first, 0] = 1.5, 0.5, 0.25, 2
+    args = [t.to(DEVICE) for t in (idx_mapping, counts, prompt_mask, repetition, presence, frequency)]
+
+    want = logits.clone()
+    apply_penalties_ref(want, idx_mapping, counts, prompt_mask, repetition, presence, frequency)
+    got = logits.clone().to(DEVICE)
+    apply_penalties(got, *args)
+    # Default float32 tolerances: fp32 division on the GPU need not be correctly rounded.
+    torch.testing.assert_close(got.cpu(), want)
+    assert not torch.equal(want[0], logits[0])  # the penalties did something
+
+
+@pytest.mark.parametrize("k", [1, 3, 64, 129])
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_compute_scores(rows, vocab, k, poisoned_empty):
+    g = _gen(2, rows, vocab, k)
+    logits = torch.randn(rows, vocab, generator=g) * torch.tensor([1.0, 30.0])[torch.arange(rows) % 2, None]
+    logits[torch.rand(rows, vocab, generator=g) < 0.2] = float("-inf")  # filtered entries
+    logits[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=g)] = 0.5  # no row all -inf
+    token_ids = torch.randint(0, vocab, (rows, k), generator=g)
+    token_ids[torch.rand(rows, k, generator=g) < 0.25] = -1
+    act = torch.randint(0, 2, (rows,), generator=g, dtype=torch.int32)
+
+    want = compute_scores_ref(logits, token_ids, act)
+    got = compute_scores(logits.to(DEVICE), token_ids.to(DEVICE), act.to(DEVICE)).cpu()
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_token_ranks(rows, vocab, poisoned_empty):
+    g = _gen(3, rows, vocab)
+    # Quarter steps make many exact ties: a tie is not "strictly greater".
+    logits = torch.round(torch.randn(rows, vocab, generator=g) * 4) / 4
+    logits[torch.rand(rows, vocab, generator=g) < 0.1] = float("-inf")
+    token_ids = torch.randint(0, vocab, (rows,), generator=g)
+    want = token_ranks_ref(logits, token_ids)
+    got = token_ranks(logits.to(DEVICE), token_ids.to(DEVICE)).cpu()
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("max_ids", [0, 1, 5, 20, 129])
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_fill_token_ids(rows, max_ids, poisoned_empty):
+    g = _gen(4, rows, max_ids)
+    num_slots = rows + 7
+    idx_mapping = torch.randperm(num_slots, generator=g)[:rows]
+    slot_ids = torch.randint(0, 50_000, (num_slots, max_ids), generator=g, dtype=torch.int32)  # stale past n
+    num_slot_ids = torch.randint(0, max_ids + 1, (num_slots,), generator=g, dtype=torch.int32)
+    sampled = torch.randint(0, 50_000, (rows,), generator=g)
+    want_ids, want_valid = fill_token_ids_ref(idx_mapping, slot_ids, num_slot_ids, sampled)
+    got_ids, got_valid = fill_token_ids(*(t.to(DEVICE) for t in (idx_mapping, slot_ids, num_slot_ids, sampled)))
+    assert got_ids.dtype == torch.int64 and got_valid.dtype == torch.bool
+    assert torch.equal(got_ids.cpu(), want_ids)
+    if max_ids == 0:
+        # The reference's valid comes out [rows, 0] here (its ones_like(valid[:, :1]) of a
+        # 0-wide valid); the documented shape is that of ids, column 0 always valid.
+        want_valid = torch.ones_like(want_ids, dtype=torch.bool)
+    assert torch.equal(got_valid.cpu().view(torch.uint8), want_valid.view(torch.uint8))
+
+
+_SEED_EDGES = [0, 1, 2**32 - 1, 2**32, 2**63 - 1, -1, -(2**63), -123_456_789_012_345]
+
+
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_uniform_bits_match(rows, vocab, poisoned_empty):
+    g = _gen(5, rows, vocab)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g)
+    seeds[: len(_SEED_EDGES)] = torch.tensor(_SEED_EDGES)[:rows]
+    positions = torch.randint(0, 2**40, (rows,), generator=g)
+    positions[0] = 0
+    want = uniform_ref(seeds, positions, vocab)
+    got = uniform(seeds.to(DEVICE), positions.to(DEVICE), vocab).cpu()
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+# Sampled tokens must equal the reference's unless the reference's top two
+# values of logits + noise are this close (relative): the noise is computed in
+# float64 in both, so a difference there is at most a last-bit one in log.
+_NEAR_TIE = 1e-5
+
+
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_gumbel_sample(rows, vocab, poisoned_empty):
+    g = _gen(6, rows, vocab)
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    logits[torch.rand(rows, vocab, generator=g) < 0.3] = float("-inf")  # banned tokens
+    logits[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=g)] = 0.0  # no row all -inf
+    if rows > 2 and vocab > 1:
+        logits[1] = float("-inf")
+        logits[1, vocab - 1] = 1.0  # the one allowed token is always sampled
+        logits[2] = float("-inf")
+        logits[2, [vocab // 2, vocab - 1]] = float("inf")  # an exact tie: the first index wins
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g)
+    positions = torch.randint(0, 2**20, (rows,), generator=g)
+
+    want = gumbel_sample_ref(logits, seeds, positions)
+    got = gumbel_sample(*(t.to(DEVICE) for t in (logits, seeds, positions))).cpu()
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    values = logits + gumbel_ref(seeds, positions, vocab)
+    top2 = values.topk(min(2, vocab), dim=-1).values
+    near_tie = (top2[:, 0] - top2[:, -1]) <= _NEAR_TIE * top2[:, 0].abs().clamp(min=1.0)
+    near_tie &= vocab > 1
+    assert ((got == want) | near_tie).all(), (got, want)
+    if rows > 2 and vocab > 1:
+        assert got[1] == vocab - 1 and got[2] == vocab // 2
+
+
+def test_gumbel_sample_all_banned_row_is_token_0():
+    logits = torch.full((2, 1500), float("-inf"))
+    logits[1, 1234] = 0.0
+    seeds, positions = torch.tensor([3, 4]), torch.tensor([5, 6])
+    got = gumbel_sample(*(t.to(DEVICE) for t in (logits, seeds, positions))).cpu()
+    assert got.tolist() == gumbel_sample_ref(logits, seeds, positions).tolist() == [0, 1234]
