@@ -26,6 +26,7 @@ class EngineCore:
         self.cache_config = CacheConfig(args.block_size, self.executor.num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.cache_config)
         self._rng = random.Random(args.seed)  # seeds for requests that bring none
+        self._families: dict[str, list[str]] = {}  # request id -> its live samples' scheduler ids
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time spent inside step()
 
@@ -52,15 +53,48 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: prompt token ids {bad[:5]} are outside [0, {vocab})")
         sp = sampling_params
         check_token_ids(sp, vocab)
+        if request_id in self._families:
+            raise ValueError(f"request id {request_id!r} is already in use")
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
-        self.scheduler.add_request(
-            Request(request_id, prompt_token_ids, sp, self.model_config.eos_token_ids, seed, arrival_time)
-        )
+        eos = self.model_config.eos_token_ids
+        if sp.n == 1:
+            self.scheduler.add_request(Request(request_id, prompt_token_ids, sp, eos, seed, arrival_time))
+            self._families[request_id] = [request_id]
+            return
+        # n samples of one prompt: sibling requests with their own seeds; the
+        # first computes the prompt, the others share its KV blocks.
+        children, leader = [], None
+        for i in range(sp.n):
+            child = Request(f"{request_id}#{i}", prompt_token_ids, sp, eos, _child_seed(seed, i), arrival_time,
+                            leader=leader)
+            child.parent_id, child.index = request_id, i
+            leader = leader or child
+            self.scheduler.add_request(child)
+            children.append(child.request_id)
+        self._families[request_id] = children
+
+    def live(self, request_id: str) -> bool:
+        """Whether a request given to add_request still has unfinished samples."""
+        return request_id in self._families
 
     def abort(self, request_ids) -> list[str]:
-        aborted = self.scheduler.abort(request_ids)
+        """Abort requests (all their samples) or single samples ("id#i");
+        returns the ids given that were live."""
+        aborted = []
+        for rid in request_ids:
+            children = self._families.get(rid, [rid])
+            if self.scheduler.abort(children):
+                aborted.append(rid)
+            self._settle(rid)
         self.executor.remove(self.scheduler.take_left())
         return aborted
+
+    def _settle(self, rid: str) -> None:
+        """Forget a request once none of its samples is live."""
+        parent = rid.rpartition("#")[0] if rid not in self._families else rid
+        children = self._families.get(parent)
+        if children is not None and not any(c in self.scheduler.requests for c in children):
+            del self._families[parent]
 
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
@@ -85,7 +119,8 @@ class EngineCore:
         for u in updates:
             req = u.req
             out = EngineCoreOutput(
-                request_id=req.request_id,
+                request_id=req.parent_id or req.request_id,
+                index=req.index,
                 new_token_ids=pack_ids(u.new_token_ids),
                 finish_reason=u.finish_reason,
                 stop_reason=u.stop_reason,
@@ -101,6 +136,8 @@ class EngineCore:
                 out.sampled_ranks = pack_ids(lp.sampled_ranks[u.row : u.row + 1])
                 out.sampled_logprobs = pack_floats(lp.sampled_logprobs[u.row : u.row + 1])
             outputs.append(out)
+            if u.finish_reason is not None:
+                self._settle(req.request_id)
         return outputs
 
     def stats(self) -> dict:
@@ -115,3 +152,8 @@ class EngineCore:
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,
         )
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """Distinct, reproducible seeds for the samples of one request."""
+    return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)

@@ -102,6 +102,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     new_token_ids: bytes  # int32 [num_new]
+    index: int = 0  # which of the request's n samples
     logprob_token_ids: bytes = b""  # int32 [num_new, k]
     logprobs: bytes = b""  # float32 [num_new, k]
     sampled_ranks: bytes = b""  # int32 [num_new]

@@ -48,12 +48,16 @@ class Request:
         eos_token_ids: frozenset[int],
         seed: int,
         arrival_time: float | None = None,
+        leader: Request | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.seed = seed  # the sampler's random source is keyed by (seed, position)
+        self.leader = leader  # for the 2nd..nth samples of one prompt (n > 1): the first
+        self.parent_id: str | None = None  # the id given to the engine, for samples of n > 1
+        self.index = 0  # which sample of its request
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

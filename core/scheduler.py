@@ -112,15 +112,20 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt admits nothing: the pool is full.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and not preempted:
+            req = self.waiting[i]
+            if self._waits_for_leader(req):
+                i += 1
+                continue
             cached = self.kv.find_cached_prefix(req)
             num_computed = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_computed, budget)
             blocks = self.kv.allocate(req, n, cached)
             if blocks is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_computed
             req.status = RequestStatus.RUNNING
@@ -143,6 +148,14 @@ class Scheduler:
         preempted) since the last call: their slots are to be freed."""
         left, self._left = self._left, set()
         return left
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        """A sibling of a parallel-sampling request (n > 1) waits until the
+        first sibling has computed the prompt, then shares its full prompt
+        blocks through the prefix cache instead of computing them again."""
+        leader = req.leader
+        return (leader is not None and self.kv.enable_prefix_caching and leader.request_id in self.requests
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -169,8 +169,11 @@ class CoreServer:
             self._owners[key] = (identity, msg.request_id)
             self._by_frontend.setdefault(identity, set()).add(key)
         elif isinstance(msg, Abort):
+            # an id may name one sample of an n > 1 request: "id#i"
             keys = [f"{identity.hex()}/{rid}" for rid in msg.request_ids]
-            self._forget(self.engine.abort([k for k in keys if k in self._owners]))
+            keys = [k for k in keys if k in self._owners or k.rpartition("#")[0] in self._owners]
+            self.engine.abort(keys)
+            self._forget([k for k in keys if k in self._owners and not self.engine.live(k)])
         elif isinstance(msg, GetStats):
             self._reply(push, identity, Stats(num_frontends=self._num_frontends, **self.engine.stats()))
         elif isinstance(msg, _Gone):
@@ -190,7 +193,7 @@ class CoreServer:
         by_frontend: dict[bytes, list] = {}
         for out in outputs:
             identity, request_id = self._owners[out.request_id]
-            if out.finish_reason is not None:
+            if out.finish_reason is not None and not self.engine.live(out.request_id):
                 self._forget([out.request_id])
             out.request_id = request_id
             by_frontend.setdefault(identity, []).append(out)

@@ -208,7 +208,7 @@ class AsyncEngine:
         await self._client.abort(ids)
         for rid in ids:
             state, queue = self._states.pop(rid)
-            state.finish_reason = "abort"
+            state.finish("abort")
             queue.put_nowait(state.output())
 
     async def stats(self):
@@ -245,10 +245,11 @@ class AsyncEngine:
             result = state.process(out)
             if result is not None:
                 queue.put_nowait(result)
+            if state.stopped_by_string:
+                aborts += state.stopped_by_string
+                state.stopped_by_string = []
             if state.finished:
                 del self._states[out.request_id]
-                if state.stopped_by_string:
-                    aborts.append(out.request_id)
         if aborts:
             asyncio.get_running_loop().create_task(self._client.abort(aborts))
 

@@ -16,62 +16,43 @@ class TokenText:
         self.of = functools.lru_cache(maxsize=1 << 16)(lambda tid: tokenizer.decode([tid]))
 
 
-class RequestState:
-    def __init__(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        tokenizer,
-        token_text: TokenText,
-        arrival_time: float,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
+class _Sample:
+    """One of a request's n completions."""
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer, token_text: TokenText) -> None:
+        self.index = index
         self.params = params
-        self.kind = params.output_kind
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
         self._token_text = token_text
         self.token_ids: list[int] = []
         wants = params.num_logprobs is not None
         self.logprobs: list[dict[int, Logprob]] | None = [] if wants else None
         self.cumulative_logprob = 0.0 if wants else None
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stopped_by_string = False  # the frontend ended it; the core must be told to abort
         self._stops = params.stop or []
         self._hold = max(map(len, self._stops)) - 1 if self._stops and not params.include_stop_str_in_output else 0
         self._text_end: int | None = None  # where a stop string cut the text
-        self._sent_text = 0
-        self._sent_tokens = 0
+        self.sent_text = 0
+        self.sent_tokens = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def process(self, out: EngineCoreOutput) -> RequestOutput | None:
-        """Take one core output; returns what to hand the consumer, if anything."""
-        if self.finished:
-            return None  # e.g. tokens the core produced before it saw our abort
+    def process(self, out: EngineCoreOutput) -> None:
         new_ids = unpack_ids(out.new_token_ids).tolist()
         self.token_ids.extend(new_ids)
         if self.logprobs is not None and out.logprobs:
             self._add_logprobs(out, len(new_ids))
-        m = self.metrics
-        m.first_scheduled_time = m.first_scheduled_time or out.first_scheduled_time
-        m.first_token_time = m.first_token_time or out.first_token_time
         before = len(self.detok.text)
         self.detok.add(new_ids)
         if out.finish_reason is not None:
             self.detok.flush()
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-            m.finished_time = out.finished_time
         if self._stops:
             self._check_stop_strings(before)
-        return self.output()
 
     def _check_stop_strings(self, before: int) -> None:
         text = self.detok.text
@@ -103,39 +84,101 @@ class RequestState:
             self.logprobs.append(entry)
             self.cumulative_logprob += float(sampled_lps[row])
 
-    def final_text(self) -> str:
+    def text(self) -> str:
         text = self.detok.text
         return text if self._text_end is None else text[: self._text_end]
+
+    def completion(self, kind: RequestOutputKind) -> CompletionOutput | None:
+        """What to show of this sample now; None for DELTA with nothing new."""
+        text = self.text()
+        visible = len(text) if self.finished else max(self.sent_text, len(text) - self._hold)
+        if kind == RequestOutputKind.DELTA:
+            text_out = text[self.sent_text : visible]
+            ids_out = self.token_ids[self.sent_tokens :]
+            lps_out = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
+            if not text_out and not ids_out and not self.finished:
+                return None
+        else:
+            text_out, ids_out = text[:visible], list(self.token_ids)
+            lps_out = list(self.logprobs) if self.logprobs is not None else None
+        self.sent_text, self.sent_tokens = visible, len(self.token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=text_out,
+            token_ids=ids_out,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=lps_out,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer,
+        token_text: TokenText,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.kind = params.output_kind
+        self.samples = [_Sample(i, params, tokenizer, token_text) for i in range(params.n)]
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.stopped_by_string: list[str] = []  # "id#i" (or "id") of samples a stop string ended
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    # The first (for n = 1, the only) sample's fields.
+    finish_reason = property(lambda self: self.samples[0].finish_reason)
+    stop_reason = property(lambda self: self.samples[0].stop_reason)
+    logprobs = property(lambda self: self.samples[0].logprobs)
+    cumulative_logprob = property(lambda self: self.samples[0].cumulative_logprob)
+
+    def final_text(self) -> str:
+        return self.samples[0].text()
+
+    def finish(self, reason: str) -> None:
+        for s in self.samples:
+            if not s.finished:
+                s.finish_reason = reason
+
+    def process(self, out: EngineCoreOutput) -> RequestOutput | None:
+        """Take one core output; returns what to hand the consumer, if anything."""
+        sample = self.samples[out.index]
+        if sample.finished:
+            return None  # e.g. tokens the core produced before it saw our abort
+        sample.process(out)
+        if sample.stopped_by_string:
+            self.stopped_by_string.append(self.request_id if self.params.n == 1 else f"{self.request_id}#{out.index}")
+        m = self.metrics
+        m.first_scheduled_time = m.first_scheduled_time or out.first_scheduled_time
+        m.first_token_time = m.first_token_time or out.first_token_time
+        if self.finished:
+            m.finished_time = out.finished_time or m.finished_time
+        return self.output()
 
     def output(self) -> RequestOutput | None:
         finished = self.finished
         if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        text = self.final_text()
-        visible = len(text) if finished else max(self._sent_text, len(text) - self._hold)
-        if self.kind == RequestOutputKind.DELTA:
-            text_out = text[self._sent_text : visible]
-            ids_out = self.token_ids[self._sent_tokens :]
-            lps_out = self.logprobs[self._sent_tokens :] if self.logprobs is not None else None
-            if not text_out and not ids_out and not finished:
-                return None
-        else:
-            text_out, ids_out, lps_out = text[:visible], list(self.token_ids), self.logprobs
-        self._sent_text, self._sent_tokens = visible, len(self.token_ids)
-        completion = CompletionOutput(
-            index=0,
-            text=text_out,
-            token_ids=ids_out,
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=list(lps_out) if lps_out is not None else None,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
+        kind = RequestOutputKind.CUMULATIVE if self.kind == RequestOutputKind.FINAL_ONLY else self.kind
+        completions = [c for s in self.samples if (c := s.completion(kind)) is not None]
+        if not completions and not finished:
+            return None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[completion],
+            outputs=completions,
             finished=finished,
             metrics=self.metrics,
         )

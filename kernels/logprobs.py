@@ -46,7 +46,7 @@ def fill_token_ids_ref(
     valid = torch.arange(ids.shape[1], device=ids.device)[None, :] < num_slot_ids[idx_mapping][:, None]
     ids = torch.where(valid, ids, -1)
     ids = torch.cat([sampled[:, None], ids], dim=1)
-    valid = torch.cat([torch.ones_like(valid[:, :1]), valid], dim=1)
+    valid = torch.cat([torch.ones(len(ids), 1, dtype=torch.bool, device=ids.device), valid], dim=1)
     return ids, valid
 
 
