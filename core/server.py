@@ -191,12 +191,15 @@ class CoreServer:
 
     def _send_outputs(self, push: zmq.Socket, outputs) -> None:
         by_frontend: dict[bytes, list] = {}
+        done = []
         for out in outputs:
-            identity, request_id = self._owners[out.request_id]
-            if out.finish_reason is not None and not self.engine.live(out.request_id):
-                self._forget([out.request_id])
+            key = out.request_id
+            identity, request_id = self._owners[key]
+            if out.finish_reason is not None and not self.engine.live(key):
+                done.append(key)
             out.request_id = request_id
             by_frontend.setdefault(identity, []).append(out)
+        self._forget(set(done))
         for identity, outs in by_frontend.items():
             self._reply(push, identity, StepOutputs(outputs=outs))
 
