@@ -4,6 +4,8 @@ from __future__ import annotations
 import random
 import time
 
+import numpy as np
+
 from headrace.core.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
 from headrace.core.sampling_params import SamplingParams, check_token_ids
@@ -73,6 +75,17 @@ class EngineCore:
             children.append(child.request_id)
         self._families[request_id] = children
 
+    @staticmethod
+    def _gather_prompt_logprobs(req, plp) -> None:
+        """Keep the positions not gathered before (a preempted request recomputes its prompt)."""
+        skip = req.num_prompt_logprobs - plp.start
+        if req.prompt_logprobs_sent or skip >= len(plp.ranks):
+            return
+        if skip > 0:
+            plp.token_ids, plp.scores, plp.ranks = plp.token_ids[skip:], plp.scores[skip:], plp.ranks[skip:]
+        req.prompt_logprobs.append(plp)
+        req.num_prompt_logprobs += len(plp.ranks)
+
     def live(self, request_id: str) -> bool:
         """Whether a request given to add_request still has unfinished samples."""
         return request_id in self._families
@@ -112,6 +125,8 @@ class EngineCore:
             assert not self.has_unfinished, "the scheduler scheduled nothing while requests wait"
             return []
         result = self.executor.execute(sched)
+        for req_id, plp in result.prompt_logprobs.items():
+            self._gather_prompt_logprobs(self.scheduler.requests[req_id], plp)
         updates = self.scheduler.update(sched, result.sampled_token_ids)
         self.executor.remove(self.scheduler.take_left())
         lp = result.logprobs
@@ -135,6 +150,11 @@ class EngineCore:
                 out.logprobs = pack_floats(lp.scores[u.row, :k])
                 out.sampled_ranks = pack_ids(lp.sampled_ranks[u.row : u.row + 1])
                 out.sampled_logprobs = pack_floats(lp.sampled_logprobs[u.row : u.row + 1])
+            if req.prompt_logprobs and not req.prompt_logprobs_sent:
+                out.prompt_logprob_token_ids = pack_ids(np.concatenate([p.token_ids for p in req.prompt_logprobs]))
+                out.prompt_logprobs = pack_floats(np.concatenate([p.scores for p in req.prompt_logprobs]))
+                out.prompt_ranks = pack_ids(np.concatenate([p.ranks for p in req.prompt_logprobs]))
+                req.prompt_logprobs, req.prompt_logprobs_sent = [], True
             outputs.append(out)
             if u.finish_reason is not None:
                 self._settle(req.request_id)

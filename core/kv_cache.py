@@ -133,8 +133,8 @@ class KVCacheManager:
         At least the last token is left to compute, since the step that
         computes it also yields the next token's logits.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         max_blocks = (req.num_tokens - 1) // self.block_size
         return self.pool.lookup(self.block_hashes(req)[:max_blocks])
 

@@ -107,6 +107,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: bytes = b""  # float32 [num_new, k]
     sampled_ranks: bytes = b""  # int32 [num_new]
     sampled_logprobs: bytes = b""  # float32 [num_new]
+    # With the first output of a request that asked for prompt_logprobs: row
+    # i scores prompt token i + 1 (the prompt token first, then the top-k).
+    prompt_logprob_token_ids: bytes = b""  # int32 [num_prompt - 1, 1 + k]
+    prompt_logprobs: bytes = b""  # float32 [num_prompt - 1, 1 + k]
+    prompt_ranks: bytes = b""  # int32 [num_prompt - 1]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | None = None
     num_cached_tokens: int = 0

@@ -58,6 +58,10 @@ class Request:
         self.leader = leader  # for the 2nd..nth samples of one prompt (n > 1): the first
         self.parent_id: str | None = None  # the id given to the engine, for samples of n > 1
         self.index = 0  # which sample of its request
+        # prompt logprobs gathered over prefill chunks until the first output carries them
+        self.prompt_logprobs: list = []
+        self.num_prompt_logprobs = 0  # prompt positions gathered (a recompute after preemption skips them)
+        self.prompt_logprobs_sent = False
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -16,6 +16,8 @@ class InputBatch:
     idx_mapping: torch.Tensor  # [num_reqs] int64, batch row -> slot
     idx_mapping_np: np.ndarray
     num_scheduled: torch.Tensor  # [num_reqs] int32
+    num_scheduled_np: np.ndarray
+    query_start_loc_np: np.ndarray  # [num_reqs + 1]
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens] int64
     logits_indices: torch.Tensor  # [num_reqs] batch row -> its last token
@@ -61,6 +63,8 @@ def prepare_inputs(
         idx_mapping=idx_mapping,
         idx_mapping_np=idx_mapping_np,
         num_scheduled=num_scheduled,
+        num_scheduled_np=num_scheduled_np,
+        query_start_loc_np=query_start_loc_np,
         input_ids=input_ids,
         positions=positions,
         logits_indices=query_start_loc[1:].long() - 1,

@@ -15,6 +15,17 @@ from headrace.executor.sampler import SampledLogprobs, sample
 from headrace.executor.logits_processors import load_logits_processors
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
+from headrace.kernels import dispatch
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt positions computed this step: row i scores prompt token start + i + 1."""
+
+    start: int
+    token_ids: np.ndarray  # [m, 1 + k] int64: the prompt token, then the top-k
+    scores: np.ndarray  # [m, 1 + k] float32, after act_func
+    ranks: np.ndarray  # [m] int64, the prompt token's rank
 
 
 @dataclass
@@ -22,6 +33,7 @@ class ModelRunnerOutput:
     req_ids: list[str]  # batch order
     sampled_token_ids: list[int]  # batch row -> sampled token (meaningless for prefill-chunk rows)
     logprobs: SampledLogprobs | None
+    prompt_logprobs: dict[str, PromptLogprobs]  # request id -> this step's prompt positions
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -118,9 +130,43 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled, logprobs = sample(logits, batch, states, self.processors)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled_host = sampled.tolist()  # the step's one device-to-host sync
         self._advance(batch, sampled, sampled_host)
-        return ModelRunnerOutput(batch.req_ids, sampled_host, logprobs)
+        return ModelRunnerOutput(batch.req_ids, sampled_host, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+        """Scores of the prompt tokens this step's chunks predict, for requests
+        with prompt_logprobs, from the raw logits: each prompt token, then the
+        top-k or the request's logprob_token_ids."""
+        st = self.states.sampling
+        slots = batch.idx_mapping_np
+        rows = np.nonzero(st.prompt_logprobs.np[slots] >= 0)[0]
+        result = {}
+        for r in rows.tolist():
+            slot = int(slots[r])
+            n = int(batch.num_scheduled_np[r])
+            start = int(batch.seq_lens_np[r]) - n
+            end = min(start + n, int(st.num_prompt.np[slot]) - 1)  # the last prompt token predicts an output
+            if end <= start:
+                continue
+            first = int(batch.query_start_loc_np[r])
+            logits = self.model.compute_logits(hidden[first : first + end - start])  # [m, vocab]
+            targets = self.states.token_ids.gpu[slot, start + 1 : end + 1].long()
+            num_ids = int(st.num_lp_ids.np[slot])
+            if num_ids:  # the request's logprob_token_ids, as for its generated positions
+                chosen = st.lp_ids.gpu[slot, :num_ids].expand(len(targets), num_ids)
+            else:
+                chosen = logits.topk(int(st.prompt_logprobs.np[slot]), dim=-1).indices
+            ids = torch.cat([targets[:, None], chosen], dim=1)
+            act = st.act.gpu[slot].expand(len(ids))
+            result[batch.req_ids[r]] = PromptLogprobs(
+                start=start,
+                token_ids=ids.cpu().numpy(),
+                scores=dispatch.compute_scores(logits, ids, act).cpu().numpy(),
+                ranks=dispatch.token_ranks(logits, targets).cpu().numpy(),
+            )
+        return result
 
     def _advance(self, batch, sampled: torch.Tensor, sampled_host: list[int]) -> None:
         """Move each slot past this step on the device and the host: computed

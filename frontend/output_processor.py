@@ -131,6 +131,8 @@ class RequestState:
         self.kind = params.output_kind
         self.samples = [_Sample(i, params, tokenizer, token_text) for i in range(params.n)]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._token_text = token_text
         self.stopped_by_string: list[str] = []  # "id#i" (or "id") of samples a stop string ended
 
     @property
@@ -157,6 +159,8 @@ class RequestState:
         if sample.finished:
             return None  # e.g. tokens the core produced before it saw our abort
         sample.process(out)
+        if out.prompt_ranks and self.prompt_logprobs is None:
+            self._add_prompt_logprobs(out)
         if sample.stopped_by_string:
             self.stopped_by_string.append(self.request_id if self.params.n == 1 else f"{self.request_id}#{out.index}")
         m = self.metrics
@@ -165,6 +169,23 @@ class RequestState:
         if self.finished:
             m.finished_time = out.finished_time or m.finished_time
         return self.output()
+
+    def _add_prompt_logprobs(self, out: EngineCoreOutput) -> None:
+        ranks = unpack_ids(out.prompt_ranks)
+        ids = unpack_ids(out.prompt_logprob_token_ids).reshape(len(ranks), -1)
+        scores = unpack_floats(out.prompt_logprobs).reshape(len(ranks), -1)
+        result: list[dict[int, Logprob] | None] = [None]  # the first prompt token has no context
+        chosen = self.params.logprob_token_ids is not None  # requested ids have no rank
+        for row in range(len(ranks)):
+            entry = {int(t): Logprob(float(v), None if chosen else r, self._token_text.of(int(t)))
+                     for r, (t, v) in enumerate(zip(ids[row, 1:], scores[row, 1:]), 1)}
+            target = int(ids[row, 0])
+            if target in entry:
+                entry[target].rank = int(ranks[row])
+            else:
+                entry[target] = Logprob(float(scores[row, 0]), int(ranks[row]), self._token_text.of(target))
+            result.append(entry)
+        self.prompt_logprobs = result
 
     def output(self) -> RequestOutput | None:
         finished = self.finished
@@ -181,4 +202,5 @@ class RequestState:
             outputs=completions,
             finished=finished,
             metrics=self.metrics,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -206,3 +206,29 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm):
                           (dict(logprob_token_ids=[vocab]), "logprob_token_ids")]:
         with pytest.raises(ValueError, match=f"{field} holds token ids outside the vocabulary"):
             llm.generate([[5, 6]], SamplingParams(**kwargs), use_tqdm=False)
+
+
+@pytest.mark.parametrize("act", ["log_softmax", "sigmoid"])
+def test_prompt_logprobs_match_transformers(path, hf_model, act):
+    model = hf_model(path)
+    prompt = [11, 12, 13, 14, 15, 40, 41, 40, 41, 9, 8, 7, 6, 5, 4, 3, 2]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    ref = logits.sigmoid() if act == "sigmoid" else logits.log_softmax(-1)
+    # a tiny token budget splits the prompt into chunks; prefix caching is bypassed
+    with LLM(path, max_model_len=64, max_num_batched_tokens=5, block_size=4) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # fills the prefix cache
+        sp = [SamplingParams(max_tokens=2, prompt_logprobs=3, act_func=act),
+              SamplingParams(max_tokens=2, prompt_logprobs=0, logprob_token_ids=[1, 2], act_func=act)]
+        outs = llm.generate([prompt, prompt], sp, use_tqdm=False)
+    for out, k in zip(outs, (3, 0)):
+        plp = out.prompt_logprobs
+        assert len(plp) == len(prompt) and plp[0] is None
+        for pos in range(1, len(prompt)):
+            entry = plp[pos]
+            row = pos - 1  # logits at position pos - 1 predict prompt token pos
+            chosen = logits[row].topk(k).indices.tolist() if k else [1, 2]  # top-k, or logprob_token_ids
+            assert set(entry) == set(chosen) | {prompt[pos]}
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(ref[row, tid].item(), abs=1e-4)
+            assert entry[prompt[pos]].rank == int((logits[row] > logits[row, prompt[pos]]).sum()) + 1
