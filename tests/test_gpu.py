@@ -62,3 +62,33 @@ def test_seeded_sampling_matches_cpu(checkpoint):
     gpu = LLM(path, device="cuda", dtype="float32", max_model_len=128).generate(prompts, sp, use_tqdm=False)
     for a, b in zip(cpu, gpu):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_logprobs_and_penalties_on_cuda_match_transformers(checkpoint, hf_model):
+    """The Triton sampling kernels (scores, ranks, id fill, penalties) against
+    transformers in float32."""
+    path = checkpoint("llama")
+    model = hf_model(path)
+    prompt = [11, 12, 13, 14, 15, 40, 41, 40, 41]
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=128)
+    params = [SamplingParams(temperature=0, max_tokens=6, logprob_token_ids=[1, 2, 300], act_func="sigmoid"),
+              SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.5)]
+    ids_out, top_out, pen_out = llm.generate([prompt] * 3, params, use_tqdm=False)
+    with torch.no_grad():
+        ref_pen = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                 repetition_penalty=1.5)[0, len(prompt):].tolist()
+    assert pen_out.outputs[0].token_ids == ref_pen
+    for out, act in ((ids_out, "sigmoid"), (top_out, "log_softmax")):
+        got = out.outputs[0]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + got.token_ids])).logits[0].float()
+        ref = logits.sigmoid() if act == "sigmoid" else logits.log_softmax(-1)
+        for pos, entry in enumerate(got.logprobs):
+            row = len(prompt) - 1 + pos
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(ref[row, tid].item(), abs=1e-4)
+    plp = top_out.prompt_logprobs
+    lsm = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1).detach()
+    for pos in range(1, len(prompt)):
+        assert plp[pos][prompt[pos]].logprob == pytest.approx(lsm[pos - 1, prompt[pos]].item(), abs=1e-4)
