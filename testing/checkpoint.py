@@ -272,3 +272,15 @@ def make_scripted_checkpoint(path: str | Path, texts: list[str]) -> tuple[Path, 
     weights["lm_head.weight"] = head
     save_file(weights, weights_file, metadata={"format": "pt"})
     return path, prompts
+
+
+def copy_with_eos(src: str | Path, dst: str | Path, eos_token_id: int) -> Path:
+    """A copy of checkpoint src whose EOS is eos_token_id (in config.json and
+    generation_config.json), e.g. a token the model is known to emit."""
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((dst / name).read_text())
+        cfg["eos_token_id"] = eos_token_id
+        (dst / name).write_text(json.dumps(cfg))
+    return dst

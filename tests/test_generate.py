@@ -1,14 +1,13 @@
 """The offline engine against transformers on the same checkpoints."""
 from __future__ import annotations
 
-import json
 import random
-import shutil
 
 import pytest
 import torch
 
 from headrace import LLM, SamplingParams
+from headrace.testing.checkpoint import copy_with_eos
 from tests.conftest import ARCHS, assert_blocks_free, hf_greedy, hf_logprobs
 
 MAX_TOKENS = 12
@@ -175,13 +174,7 @@ def test_eos_stops_unless_ignored(checkpoint, hf_model, tmp_path):
     prompt = [11, 12, 13, 14, 15]
     ref = hf_greedy(hf_model(src), prompt, 10)
     eos = ref[4]
-    # A copy of the checkpoint whose EOS is a token the model will emit greedily.
-    path = tmp_path / "eos"
-    shutil.copytree(src, path)
-    for name in ("config.json", "generation_config.json"):
-        cfg = json.loads((path / name).read_text())
-        cfg["eos_token_id"] = eos
-        (path / name).write_text(json.dumps(cfg))
+    path = copy_with_eos(src, tmp_path / "eos", eos)  # EOS is a token the model will emit greedily
     llm = LLM(path, max_model_len=64)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ref[: ref.index(eos) + 1]

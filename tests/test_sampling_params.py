@@ -1,13 +1,11 @@
 """The SamplingParams surface against transformers on the same checkpoint."""
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
 from headrace import LLM, SamplingParams
+from headrace.testing.checkpoint import copy_with_eos
 from tests.conftest import hf_logprobs
 
 PROMPTS = [[11, 12, 13, 14, 15], [40, 41] * 10, [7]]
@@ -80,12 +78,7 @@ def test_min_tokens_masks_eos_and_stop_tokens(path, hf_model, tmp_path):
     prompt = PROMPTS[0]
     ref = hf_generate(model, prompt, 12)
     eos = ref[2]
-    eos_path = tmp_path / "eos"
-    shutil.copytree(path, eos_path)
-    for name in ("config.json", "generation_config.json"):
-        cfg = json.loads((eos_path / name).read_text())
-        cfg["eos_token_id"] = eos
-        (eos_path / name).write_text(json.dumps(cfg))
+    eos_path = copy_with_eos(path, tmp_path / "eos", eos)
     with LLM(eos_path, max_model_len=64) as llm:
         short = ours(llm, prompt, max_tokens=12)
         assert short.token_ids == ref[:3] and short.finish_reason == "stop"
