@@ -89,9 +89,12 @@ def _process(logits, slots, idx, st: SamplingState, token_ids, num_tokens, proce
         if rows:
             x[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
     if min_rows.size:
-        _mask_ids(x, min_rows, st.stop_ids.gpu, st.num_stop_ids.gpu, idx, float("-inf"), add=False)
+        _mask_ids(x, min_rows, st.stop_ids.gpu, st.num_stop_ids.gpu, idx)
     if bias_rows.size:
-        _mask_ids(x, bias_rows, st.bias_ids.gpu, st.num_bias.gpu, idx, st.bias_values.gpu, add=True)
+        rows = torch.from_numpy(bias_rows).to(dev)
+        sub = x[rows]
+        dispatch.apply_logit_bias(sub, idx[rows], st.bias_ids.gpu, st.bias_values.gpu, st.num_bias.gpu)
+        x[rows] = sub
     if pen_rows.size:
         rows = torch.from_numpy(pen_rows).to(dev)
         sub = x[rows]
@@ -107,18 +110,13 @@ def _process(logits, slots, idx, st: SamplingState, token_ids, num_tokens, proce
     return x
 
 
-def _mask_ids(x, rows_np, ids, counts, idx, value, add: bool) -> None:
-    """For the given rows, set (or add) value at each of the slot's listed ids."""
+def _mask_ids(x, rows_np, ids, counts, idx) -> None:
+    """For the given rows, ban each of the slot's listed ids."""
     rows = torch.from_numpy(rows_np).to(x.device)
     slot_rows = idx[rows]
     row_ids = ids[slot_rows]  # [n, max]
     valid = torch.arange(row_ids.shape[1], device=x.device)[None, :] < counts[slot_rows][:, None]
-    r = rows[:, None].expand_as(row_ids)[valid]
-    c = row_ids[valid]
-    if add:
-        x.index_put_((r, c), value[slot_rows][valid], accumulate=True)
-    else:
-        x[r, c] = value
+    x[rows[:, None].expand_as(row_ids)[valid], row_ids[valid]] = float("-inf")
 
 
 def _banned_by_bad_words(bad_rows, slots, st: SamplingState):

@@ -19,6 +19,7 @@ def _pick(ref, name: str, module):
 
 
 apply_penalties = _pick(penalties.apply_penalties_ref, "apply_penalties", penalties)
+apply_logit_bias = _pick(penalties.apply_logit_bias_ref, "apply_logit_bias", penalties)
 compute_scores = _pick(logprobs.compute_scores_ref, "compute_scores", logprobs)
 token_ranks = _pick(logprobs.token_ranks_ref, "token_ranks", logprobs)
 fill_token_ids = _pick(logprobs.fill_token_ids_ref, "fill_token_ids", logprobs)

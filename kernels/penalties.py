@@ -90,3 +90,55 @@ def apply_penalties(
         vocab_size,
         BLOCK=_PENALTY_BLOCK,
     )
+
+
+def apply_logit_bias_ref(
+    logits: torch.Tensor,  # [num_rows, vocab] float32, changed in place
+    idx_mapping: torch.Tensor,  # [num_rows] int64, batch row -> slot
+    bias_ids: torch.Tensor,  # [num_slots, max_bias] int64, the slot's biased token ids
+    bias_values: torch.Tensor,  # [num_slots, max_bias] float32
+    num_bias: torch.Tensor,  # [num_slots] int32, entries in use
+) -> None:
+    """Add each slot's logit_bias entries to its rows (ids within a slot are distinct)."""
+    ids = bias_ids[idx_mapping]
+    valid = torch.arange(ids.shape[1], device=ids.device)[None, :] < num_bias[idx_mapping][:, None]
+    rows = torch.arange(len(idx_mapping), device=ids.device)[:, None].expand_as(ids)
+    logits.index_put_((rows[valid], ids[valid]), bias_values[idx_mapping][valid], accumulate=True)
+
+
+@triton.jit
+def _apply_logit_bias_kernel(
+    logits_ptr, logits_stride,
+    idx_mapping_ptr,
+    ids_ptr, values_ptr, bias_stride,
+    num_bias_ptr,
+    BLOCK: tl.constexpr,
+):
+    # One program per (row, block of bias entries); ids within a slot are
+    # distinct, so no two lanes touch the same logit.
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(idx_mapping_ptr + row).to(tl.int64)
+    mask = offs < tl.load(num_bias_ptr + slot)
+    ids = tl.load(ids_ptr + slot * bias_stride + offs, mask=mask, other=0)
+    values = tl.load(values_ptr + slot * bias_stride + offs, mask=mask, other=0.0)
+    ptrs = logits_ptr + row.to(tl.int64) * logits_stride + ids
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, x + values, mask=mask)
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [num_rows, vocab] float32, changed in place
+    idx_mapping: torch.Tensor,  # [num_rows] int64
+    bias_ids: torch.Tensor,  # [num_slots, max_bias] int64
+    bias_values: torch.Tensor,  # [num_slots, max_bias] float32
+    num_bias: torch.Tensor,  # [num_slots] int32
+) -> None:
+    """Triton version of apply_logit_bias_ref."""
+    assert logits.stride(-1) == 1 and bias_ids.stride() == bias_values.stride()
+    if len(idx_mapping) == 0:
+        return
+    block = 128
+    grid = (len(idx_mapping), triton.cdiv(bias_ids.shape[1], block))
+    _apply_logit_bias_kernel[grid](logits, logits.stride(0), idx_mapping, bias_ids, bias_values,
+                                   bias_ids.stride(0), num_bias, BLOCK=block)
