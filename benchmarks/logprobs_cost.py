@@ -18,18 +18,6 @@ import random
 import time
 
 
-def qwen3_06b_checkpoint():
-    import torch
-
-    from headrace import envs
-    from headrace.testing import make_checkpoint
-
-    return make_checkpoint(envs.cache_dir() / "qwen3-0.6b-random", "qwen3", hidden_size=1024, num_layers=28,
-                           num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072,
-                           tie_word_embeddings=True, vocab_size=151936, max_position_embeddings=4096,
-                           dtype=torch.bfloat16, initializer_range=0.02, rope_theta=1000000.0)
-
-
 def run_once(core, prompts, sp) -> float:
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -56,6 +44,8 @@ def main() -> None:
     from headrace.core.sampling_params import SamplingParams
 
     if args.qwen:
+        from benchmarks_common import qwen3_06b_checkpoint
+
         args.model = str(qwen3_06b_checkpoint())
     elif args.model is None:
         from headrace.testing import demo_checkpoint

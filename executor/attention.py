@@ -19,6 +19,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, token -> flat cache slot
     query_start_loc_cpu: list[int]  # host copies for the torch path
     seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
 
 
 class Attention(nn.Module):

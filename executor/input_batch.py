@@ -57,6 +57,8 @@ def prepare_inputs(
         slot_mapping=slot_mapping,
         query_start_loc_cpu=query_start_loc_np.tolist(),
         seq_lens_cpu=seq_lens_np.tolist(),
+        max_query_len=int(num_scheduled_np.max()),
+        max_seq_len=int(seq_lens_np.max()),
     )
     return InputBatch(
         req_ids=req_ids,

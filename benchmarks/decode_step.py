@@ -1,0 +1,104 @@
+"""One decode step at several batch sizes and context lengths, against its floor.
+
+    python3 benchmarks/decode_step.py [--model DIR] [--batches 1,8,64,256] [--contexts 128,1024,4096]
+
+Default model: the Qwen3-0.6B shape with random bf16 weights (see
+logprobs_cost.py). For each (batch, context) whose KV cache fits, `batch`
+requests with `context - 1` prompt tokens are prefilled, then decode steps
+are timed with synchronised clocks (median of --steps). The floor is the
+time to read every weight and every cached KV byte once at the measured
+device-to-device copy bandwidth, plus the step's matmul FLOPs at the
+measured bf16 matmul rate; both ceilings are measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+
+def measure_ceilings(device) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s)."""
+    src = torch.randn(2**28 // 2, device=device, dtype=torch.bfloat16)  # 256 MiB
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+
+    def timed(fn, n):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    bw = 2 * src.numel() * src.element_size() / timed(lambda: dst.copy_(src), 20)
+    rate = 2 * 8192**3 / timed(lambda: a @ b, 10)
+    return bw, rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batches", default="1,8,64,256")
+    parser.add_argument("--contexts", default="128,1024,4096")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+
+    from benchmarks_common import qwen3_06b_checkpoint
+    from headrace.core.config import EngineArgs, ModelConfig
+    from headrace.core.engine import EngineCore
+    from headrace.core.sampling_params import SamplingParams
+
+    model = args.model or str(qwen3_06b_checkpoint())
+    cfg = ModelConfig.from_dir(model)
+    device = torch.device("cuda")
+    bw, rate = measure_ceilings(device)
+    print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16
+    free, _ = torch.cuda.mem_get_info()
+    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'x floor':>7}  bound")
+    for context in map(int, args.contexts.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            if batch * (context + 16) * kv_per_token > 0.8 * free:
+                print(f"{batch:>5} {context:>7}   (KV cache does not fit)")
+                continue
+            core = EngineCore(EngineArgs(model=model, device="cuda", max_num_seqs=batch,
+                                         max_model_len=context + 16, enable_prefix_caching=False,
+                                         num_kv_blocks=batch * (-(-(context + 16) // 16))))
+            weights = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
+            rng = random.Random(0)
+            sp = SamplingParams(temperature=0.6, max_tokens=args.steps + 4, ignore_eos=True)
+            for i in range(batch):
+                core.add_request(str(i), [rng.randrange(3, 10000) for _ in range(context - 1)], sp, time.time())
+            while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                for r in core.scheduler.running):
+                core.step()  # prefill
+            core.step()  # first decode step: warm
+            times = []
+            for _ in range(args.steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                core.step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            step = statistics.median(times)
+            flops = 2 * batch * (weights / 2)  # one multiply-add per weight per token (bf16: 2 bytes a weight)
+            kv_bytes = batch * context * kv_per_token
+            t_bytes, t_flops = (weights + kv_bytes) / bw, flops / rate
+            floor = t_bytes + t_flops
+            bound = "memory" if t_bytes > t_flops else "compute"
+            print(f"{batch:>5} {context:>7} {step * 1e3:8.3f} {floor * 1e3:8.3f} {step / floor:7.1f}  {bound}")
+            del core
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
