@@ -90,7 +90,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             step = statistics.median(times)
-            flops = 2 * batch * (weights / 2)  # one multiply-add per weight per token (bf16: 2 bytes a weight)
+            # one multiply-add per weight per token (bf16: 2 bytes a weight), plus q.k and p.v over the context
+            flops = 2 * batch * (weights / 2) + 4 * batch * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
             kv_bytes = batch * context * kv_per_token
             t_bytes, t_flops = (weights + kv_bytes) / bw, flops / rate
             floor = t_bytes + t_flops
