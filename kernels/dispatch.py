@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from headrace.kernels import logprobs, penalties, sampling
+from headrace.kernels import activation, logprobs, norm, penalties, rotary, sampling
 
 
 def _pick(ref, name: str, module):
     launcher = getattr(module, name, None)
 
-    def run(first: torch.Tensor, *args):
+    def run(first: torch.Tensor, *args, **kwargs):
         fn = launcher if launcher is not None and first.is_cuda else ref
-        return fn(first, *args)
+        return fn(first, *args, **kwargs)
 
     run.__name__ = name
     return run
@@ -24,3 +24,6 @@ compute_scores = _pick(logprobs.compute_scores_ref, "compute_scores", logprobs)
 token_ranks = _pick(logprobs.token_ranks_ref, "token_ranks", logprobs)
 fill_token_ids = _pick(logprobs.fill_token_ids_ref, "fill_token_ids", logprobs)
 gumbel_sample = _pick(sampling.gumbel_sample_ref, "gumbel_sample", sampling)
+rms_norm = _pick(norm.rms_norm_ref, "rms_norm", norm)
+rotary_embedding = _pick(rotary.rotary_ref, "rotary", rotary)
+silu_and_mul = _pick(activation.silu_and_mul_ref, "silu_and_mul", activation)

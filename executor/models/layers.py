@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from headrace.core.config import RopeConfig
+from headrace.kernels import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -17,20 +18,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise x, or with residual, normalise x + residual and also
-        return that sum as the next residual."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return out if residual is None else (out, residual)
+        return that sum as the next residual (on a GPU, written into
+        residual's buffer)."""
+        return dispatch.rms_norm(x, self.weight, self.eps, residual)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    return dispatch.silu_and_mul(x)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] float32
@@ -65,12 +59,6 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim // 2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, num_heads, head_dim]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim];
+        # on a GPU rotated in place
+        return dispatch.rotary_embedding(positions, q, k, self.cos_sin)
