@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headrace.kernels.attention import paged_attention_ref, write_kv_ref
+from headrace.kernels.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
 
 
 @dataclass
@@ -40,6 +40,10 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        if q.is_cuda:  # Triton kernels
+            write_kv(k, v, self.kv_cache, meta.slot_mapping)
+            return paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                   self.scale, meta.max_query_len, meta.max_seq_len)
         write_kv_ref(k, v, self.kv_cache, meta.slot_mapping)
         return paged_attention_ref(
             q, self.kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables, self.scale

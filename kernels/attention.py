@@ -73,3 +73,429 @@ def _attend(q, kv_cache, block_tables, seq_lens, max_len: int, scale: float) -> 
     masked = k_pos[None, None, :] > q_pos[:, :, None]  # causal, and past the row's length
     scores.masked_fill_(masked[:, None], float("-inf"))
     return torch.einsum("rhqk,rkhd->rqhd", scores.softmax(dim=-1), v).to(q.dtype)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """paged_attention_ref called the way paged_attention is: device tensors
+    and host bounds in, so a dispatcher can pick either by device. The bounds
+    and num_splits only steer the Triton kernels and are ignored here."""
+    del max_query_len, max_seq_len, num_splits
+    return paged_attention_ref(q, kv_cache, query_start_loc.tolist(), seq_lens.tolist(), block_tables, scale)
+
+
+# ---------------------------------------------------------------------------
+# Triton.
+#
+# Both attention kernels keep fp32 running (max, sum, acc) statistics in the
+# log2 domain (scores are multiplied by scale * log2(e) and exponentiated with
+# exp2) and read keys and values one key per lane through the block table, so
+# any power-of-two block_size works with any key tile. Query heads that share
+# a KV head are packed into the rows of one tile (GQA): a tile row is
+# (query token, head within the group), so K and V are read once per group.
+# The running max starts at a finite _NEG (not -inf): a row or a split that
+# sees no key keeps m = _NEG, l = 0, acc = 0 and never produces exp(-inf + inf).
+#
+# Dispatch (paged_attention), with no host sync: rows with one query (decode
+# rows, or a 1-token chunk) go to the decode kernel, split-K when the contexts
+# are long and the batch too small to fill the GPU; rows with more go to the
+# general kernel, whose query tile is sized from max_query_len. Both kernels
+# get every row and return at once on the other's, so a mixed batch is two
+# launches (three with split-K) and an all-decode batch (max_query_len == 1)
+# skips the general kernel. Decode rows are cheaper in the decode kernel: in
+# the general one they would occupy a whole BLOCK_M-row tile sized for the
+# longest chunk (measured on an H200: 64 decode rows of 2k context beside a
+# 512-token chunk took 361 us all through the general kernel).
+
+import functools  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+_LOG2E = 1.4426950408889634
+_NEG = tl.constexpr(-1.0e30)  # a constexpr global: readable inside kernels
+_MAX_SPLITS = 16
+_MIN_KEYS_PER_SPLIT = 512
+
+
+@triton.jit
+def _cast_rtne(x, dtype: tl.constexpr):
+    """x.to(dtype) rounded to nearest even on the GPU and in the interpreter
+    alike (the interpreter truncates float32 -> bfloat16): for bfloat16 the
+    rounding is done on the bits, so the cast is exact. The same trick as
+    kernels/norm.py's cast_rtne, kept here so this module stands alone."""
+    if dtype == tl.bfloat16:
+        x = x.to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(dtype)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, stride_kt, stride_kh,
+    v_ptr, stride_vt, stride_vh,
+    cache_ptr, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
+    slot_mapping_ptr,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # a padding token: nothing to write
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < num_kv_heads)[:, None] & (d < head_dim)[None, :]  # [BLOCK_H, BLOCK_D]
+    dst = cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot \
+        + h[:, None] * stride_c_h + d[None, :]
+    k = tl.load(k_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(dst, _cast_rtne(k, cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, _cast_rtne(v, cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] token -> flat slot, -1 to skip
+) -> None:
+    """Triton version of write_kv_ref: one program per token, all its heads at once."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
+    assert kv_cache.shape[0] == 2 and kv_cache.shape[3:] == (num_kv_heads, head_dim)
+    assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, k.stride(0), k.stride(1),
+        v, v.stride(0), v.stride(1),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        slot_mapping,
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """tl.dot with fp32 accumulation. UPCAST_DOT is for the Triton interpreter,
+    whose dot multiplies bfloat16 operands' raw bits: the operands are widened
+    to float32 first, exactly, so the products match the GPU's bf16 MMA."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attend_keys(
+    acc, m_i, l_i,  # [M, BLOCK_D] fp32, [M] fp32, [M] fp32: running statistics
+    q,  # [M, BLOCK_D] in the cache's compute dtype
+    q_pos,  # [M] int32: each row's query position; keys after it are masked
+    key_lo, key_hi,  # keys [key_lo, key_hi) of the request are visited
+    block_table_ptr,  # this request's row of the block table
+    k_base, v_base,  # cache pointers at this KV head (block 0, slot 0, dim 0)
+    stride_c_blk, stride_c_slot,
+    offs_d, d_mask,  # [BLOCK_D]
+    qk_scale,  # scale * log2(e)
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(key_lo, key_hi, BLOCK_N):
+        k_pos = start + offs_n  # [BLOCK_N]
+        k_valid = k_pos < key_hi
+        blk = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot  # [BLOCK_N]
+        kv_mask = k_valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_base + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [M, BLOCK_N]
+        causal = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])  # [M, BLOCK_N]
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request that owns flat query block q_block: the last i with
+    query_start_loc[i] // BLOCK_Q + i <= q_block (that sequence is strictly
+    increasing, and request i's blocks are numbered from it)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, stride_qt, stride_qh,
+    out_ptr, stride_ot, stride_oh,
+    cache_ptr, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
+    query_start_loc_ptr, seq_lens_ptr,
+    block_tables_ptr, stride_bt,
+    num_reqs, head_dim, qk_scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """One program per (query block, KV head). Query blocks are numbered flat
+    over the batch: request i's blocks start at query_start_loc[i] // BLOCK_Q + i,
+    so num_tokens // BLOCK_Q + num_reqs programs cover any batch. With
+    SKIP_SINGLE, single-query rows are left to _paged_decode_kernel."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD  # query tokens per tile
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, tl.program_id(0), num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    num_q = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block = tl.program_id(0) - (q_start // BLOCK_Q + req)  # block within the request
+    if q_block * BLOCK_Q >= num_q:
+        return
+    if SKIP_SINGLE and num_q == 1:
+        return  # the decode kernel's row
+    seq_len = tl.load(seq_lens_ptr + req)
+    context = seq_len - num_q  # the request's queries are its last num_q positions
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] query index within the request
+    g = offs_m % GROUP_PAD
+    head = kv_head * GROUP + g
+    row_valid = (tok < num_q) & (g < GROUP)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    io_mask = row_valid[:, None] & d_mask[None, :]
+    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    k_base = cache_ptr + kv_head.to(tl.int64) * stride_c_h
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Keys past the block's last query are above the diagonal for every row: never read.
+    key_hi = context + tl.minimum(num_q, (q_block + 1) * BLOCK_Q)
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q.to(cache_ptr.dtype.element_ty), context + tok, 0, key_hi,
+        block_tables_ptr + req.to(tl.int64) * stride_bt, k_base, k_base + stride_c_kv,
+        stride_c_blk, stride_c_slot, offs_d, d_mask, qk_scale,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+    )
+    out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
+    o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + o_off, _cast_rtne(out, out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, stride_qt, stride_qh,
+    out_ptr, stride_ot, stride_oh,
+    part_m_ptr, part_l_ptr, part_acc_ptr,  # [num_reqs, num_heads, num_splits(, BLOCK_D)] fp32
+    cache_ptr, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
+    query_start_loc_ptr, seq_lens_ptr,
+    block_tables_ptr, stride_bt,
+    num_heads, head_dim, qk_scale, num_splits,
+    GROUP: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """One program per (request, KV head, split) for single-query rows: the
+    group's query heads are the tile's rows (padded to GROUP_M >= 16 for
+    tl.dot). Split s visits its own run of whole key tiles; with SPLIT the
+    unnormalised (max, sum, acc) go to the partial buffers for
+    _paged_decode_reduce_kernel, without it the output is written directly."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return  # an empty row: no query to answer
+    seq_len = tl.load(seq_lens_ptr + req)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    key_lo = split * tiles_per_split * BLOCK_N
+    key_hi = tl.minimum(key_lo + tiles_per_split * BLOCK_N, seq_len)  # may be empty: m, l, acc stay put
+
+    g = tl.arange(0, GROUP_M)
+    head = kv_head * GROUP + g
+    row_valid = g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    io_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)  # [GROUP_M, BLOCK_D]
+
+    k_base = cache_ptr + kv_head.to(tl.int64) * stride_c_h
+    acc = tl.zeros([GROUP_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([GROUP_M], _NEG, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_M], dtype=tl.float32)
+    q_pos = tl.zeros([GROUP_M], dtype=tl.int32) + (seq_len - 1)
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q.to(cache_ptr.dtype.element_ty), q_pos, key_lo, key_hi,
+        block_tables_ptr + req.to(tl.int64) * stride_bt, k_base, k_base + stride_c_kv,
+        stride_c_blk, stride_c_slot, offs_d, d_mask, qk_scale,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+    )
+    if SPLIT:
+        part = (req.to(tl.int64) * num_heads + head) * num_splits + split  # [GROUP_M]
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_valid[:, None])
+    else:
+        out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
+        o_off = q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_off, _cast_rtne(out, out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    out_ptr, stride_ot, stride_oh,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    query_start_loc_ptr,
+    num_heads, head_dim, num_splits,
+    SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (request, query head): rescale each split's partial
+    sums to the common max and normalise. Split 0 always holds key 0, so the
+    common max is a real score and empty splits weigh exp2(_NEG - max) = 0."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return
+    s = tl.arange(0, SPLITS_PAD)
+    s_mask = s < num_splits
+    part = (req.to(tl.int64) * num_heads + head) * num_splits + s  # [SPLITS_PAD]
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(m - tl.max(m, axis=0))  # [SPLITS_PAD]
+    l_sum = tl.sum(w * tl.load(part_l_ptr + part, mask=s_mask, other=0.0), axis=0)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / l_sum  # [BLOCK_D]
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d, _cast_rtne(out, out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100's count stands in off the GPU, so the interpreter takes the same choices
+
+
+def _decode_num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Split the context only while (request, KV head) programs are too few
+    to give every SM two, and keep at least _MIN_KEYS_PER_SPLIT keys a split."""
+    by_occupancy = -(-2 * _num_sms(device) // max(1, num_reqs * num_kv_heads))
+    by_length = -(-max_seq_len // _MIN_KEYS_PER_SPLIT)
+    return max(1, min(_MAX_SPLITS, by_occupancy, by_length))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32, on q's device
+    seq_lens: torch.Tensor,  # [num_reqs] int32, on q's device: tokens in the cache after this step
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32: request -> block ids
+    scale: float,
+    max_query_len: int,  # upper bound on any request's query count; 1 selects the decode kernel
+    max_seq_len: int,  # upper bound on seq_lens, for the decode kernel's split count
+    num_splits: int | None = None,  # decode split-K partitions; None picks from the shapes
+    use_decode_kernel: bool = True,  # False: every row through the general kernel (tests, benchmarks)
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
+    """Triton version of paged_attention_ref, with no host sync: the bounds
+    are host ints. Single-query rows go to the split-K decode kernel, the
+    others to the general (flash attention) kernel; each kernel skips the
+    other's rows on the device, and a max_query_len of 1 launches only the
+    decode kernel."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_reqs = seq_lens.shape[0]
+    assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim and num_heads % num_kv_heads == 0
+    assert q.stride(2) == 1 and kv_cache.stride(4) == 1
+    assert query_start_loc.shape == (num_reqs + 1,) and block_tables.shape[0] == num_reqs
+    assert block_size & (block_size - 1) == 0
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    cache_args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+    common = dict(
+        GROUP=group, BLOCK_SIZE=block_size, BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
+        # fp32 dots stay fp32 (no tf32), so fp32 runs match the reference closely.
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=q.device.type != "cuda",  # off the GPU kernels run in the interpreter
+    )
+    qk_scale = scale * _LOG2E
+
+    # Rows with more than one query: the general kernel. Single-query rows go
+    # to the decode kernel unless use_decode_kernel is off (its tile is sized
+    # for one query, where the general kernel's is sized for max_query_len).
+    if max_query_len > 1 or not use_decode_kernel:
+        group_pad = triton.next_power_of_2(group)
+        wide = kv_cache.element_size() <= 2 and block_d <= 128  # a 128-row tile fits shared memory
+        block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
+        block_m = max(block_m, group_pad)
+        grid = (num_tokens // (block_m // group_pad) + num_reqs, num_kv_heads)
+        _paged_attention_kernel[grid](
+            q, q.stride(0), q.stride(1),
+            out, out.stride(0), out.stride(1),
+            *cache_args,
+            query_start_loc, seq_lens,
+            block_tables, block_tables.stride(0),
+            num_reqs, head_dim, qk_scale,
+            GROUP_PAD=group_pad, BLOCK_M=block_m, SKIP_SINGLE=use_decode_kernel,
+            num_warps=8 if block_m == 128 else 4, **common,
+        )
+    if not use_decode_kernel:
+        return out
+
+    if num_splits is None:
+        num_splits = _decode_num_splits(q.device, num_reqs, num_kv_heads, max_seq_len)
+    assert num_splits >= 1
+    split = num_splits > 1
+    shape = (num_reqs, num_heads, num_splits) if split else (1,)
+    part_m = torch.empty(shape, dtype=torch.float32, device=q.device)
+    part_l = torch.empty(shape, dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(shape + ((block_d,) if split else ()), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        part_m, part_l, part_acc,
+        *cache_args,
+        query_start_loc, seq_lens,
+        block_tables, block_tables.stride(0),
+        num_heads, head_dim, qk_scale, num_splits,
+        GROUP_M=max(16, triton.next_power_of_2(group)), SPLIT=split, num_warps=4, **common,
+    )
+    if split:
+        _paged_decode_reduce_kernel[(num_reqs, num_heads)](
+            out, out.stride(0), out.stride(1),
+            part_m, part_l, part_acc,
+            query_start_loc,
+            num_heads, head_dim, num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )
+    return out
