@@ -67,17 +67,18 @@ def main() -> None:
     print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'x floor':>7}  bound")
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
-            if batch * (context + 16) * kv_per_token > 0.8 * free:
+            if batch * context * kv_per_token > 0.8 * free:
                 print(f"{batch:>5} {context:>7}   (KV cache does not fit)")
                 continue
             core = EngineCore(EngineArgs(model=model, device="cuda", max_num_seqs=batch,
-                                         max_model_len=context + 16, enable_prefix_caching=False,
-                                         num_kv_blocks=batch * (-(-(context + 16) // 16))))
+                                         max_model_len=context, enable_prefix_caching=False,
+                                         num_kv_blocks=batch * (-(-context // 16))))
             weights = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
             rng = random.Random(0)
             sp = SamplingParams(temperature=0.6, max_tokens=args.steps + 4, ignore_eos=True)
+            prompt_len = context - args.steps - 4  # the timed steps read close to `context` cached tokens
             for i in range(batch):
-                core.add_request(str(i), [rng.randrange(3, 10000) for _ in range(context - 1)], sp, time.time())
+                core.add_request(str(i), [rng.randrange(3, 10000) for _ in range(prompt_len)], sp, time.time())
             while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                                 for r in core.scheduler.running):
                 core.step()  # prefill

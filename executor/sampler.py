@@ -201,7 +201,13 @@ def _logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> SampledLogp
         id_rows = torch.from_numpy(num_ids > 0).to(dev)
         ids[id_rows, 1 : 1 + max_ids] = filled[id_rows, 1 : 1 + max_ids]
     scores = dispatch.compute_scores(source, ids, st.act.gpu[idx])
-    zeros = torch.full((len(slots),), ACT_LOG_SOFTMAX, dtype=torch.int32, device=dev)
-    sampled_lp = dispatch.compute_scores(source, sampled[:, None], zeros)[:, 0]
+    if (st.act.np[slots] == ACT_LOG_SOFTMAX).all():
+        sampled_lp = scores[:, 0]  # column 0 is the sampled token, already log_softmax
+    else:  # cumulative_logprob sums log_softmax values whatever act_func says
+        zeros = torch.full((len(slots),), ACT_LOG_SOFTMAX, dtype=torch.int32, device=dev)
+        sampled_lp = dispatch.compute_scores(source, sampled[:, None], zeros)[:, 0]
     ranks = dispatch.token_ranks(source, sampled)
-    return SampledLogprobs(ids.cpu().numpy(), scores.cpu().numpy(), ranks.cpu().numpy(), sampled_lp.cpu().numpy())
+    # Two device-to-host copies for the lot.
+    ints = torch.cat([ids, ranks[:, None]], dim=1).cpu().numpy()
+    floats = torch.cat([scores, sampled_lp[:, None]], dim=1).cpu().numpy()
+    return SampledLogprobs(ints[:, :-1], floats[:, :-1], ints[:, -1], floats[:, -1])
