@@ -201,8 +201,9 @@ class EngineArgs:
     """What a user sets when starting an engine; validated at construction.
 
     num_kv_blocks None sizes the KV pool to hold max_num_seqs sequences of
-    max_model_len tokens, within the device's KV memory budget
-    (HEADRACE_CPU_KV_CACHE_GB on the CPU, free memory on a GPU).
+    max_model_len tokens, within the device's KV memory budget:
+    HEADRACE_CPU_KV_CACHE_GB on the CPU; on a GPU, gpu_memory_utilization of
+    the card less the weights and the profiled peak of a full step.
     """
 
     model: str
@@ -214,6 +215,7 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     seed: int = 0
     logprobs_mode: str = "raw"
@@ -233,6 +235,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if isinstance(self.logits_processors, (str, type)) or not isinstance(self.logits_processors, (tuple, list)):

@@ -9,6 +9,7 @@ import torch
 from headrace import envs
 from headrace.core.config import ConfigError, EngineArgs, ModelConfig, SchedulerConfig
 from headrace.core.scheduler import SchedulerOutput
+from headrace.executor.attention import AttentionMetadata
 from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.models.loader import load_model
 from headrace.executor.sampler import SampledLogprobs, sample
@@ -96,8 +97,12 @@ class ModelRunner:
         if self.device.type == "cpu":
             budget = envs.cpu_kv_cache_gb() * 2**30
         else:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = 0.9 * free
+            # gpu_memory_utilization of the card, less what is in use (weights)
+            # and the peak a full step's activations take.
+            free, total = torch.cuda.mem_get_info(self.device)
+            activations = self._profile_activation_bytes(model_cfg, sched_cfg)
+            in_use = torch.cuda.memory_allocated(self.device)
+            budget = min(args.gpu_memory_utilization * total - in_use, free) - activations
         num_blocks = min(per_seq * sched_cfg.max_num_seqs, int(budget // block_bytes))
         if num_blocks < per_seq:
             raise ConfigError(
@@ -113,6 +118,48 @@ class ModelRunner:
             if slot is not None:
                 for proc in self.processors:
                     proc.remove_request(slot)
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig) -> int:
+        """Peak device memory of a forward over max_num_batched_tokens tokens
+        (split into requests of at most max_model_len), plus room for the
+        sampler's logits of max_num_seqs rows and a sort of them."""
+        dev, bs = self.device, self.block_size
+        total = sched_cfg.max_num_batched_tokens
+        lens = [min(sched_cfg.max_model_len, total - i) for i in range(0, total, sched_cfg.max_model_len)]
+        blocks = [-(-n // bs) for n in lens]
+        cache = torch.empty(2, sum(blocks), bs, model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,
+                            device=dev)
+        layers = self.model.attention_layers()
+        for layer in layers:
+            layer.kv_cache = cache  # one scratch cache serves every layer here
+        table = torch.zeros(len(lens), max(blocks), dtype=torch.int32, device=dev)
+        start = 0
+        for i, nb in enumerate(blocks):
+            table[i, :nb] = torch.arange(start, start + nb, dtype=torch.int32, device=dev)
+            start += nb
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        slots = torch.cat([(table[i, torch.arange(n, device=dev) // bs].long() * bs + torch.arange(n, device=dev) % bs)
+                           for i, n in enumerate(lens)])
+        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_tables=table,
+            slot_mapping=slots, query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens,
+            max_query_len=max(lens), max_seq_len=max(lens),
+        )
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        hidden = self.model(torch.zeros(total, dtype=torch.long, device=dev), positions, meta)
+        rows = min(total, sched_cfg.max_num_seqs)
+        logits = self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del hidden, logits, cache
+        for layer in layers:
+            layer.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak + 3 * rows * model_cfg.vocab_size * 4  # sort values and int64 indices
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -48,7 +48,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif field.type == "tuple":
             parser.add_argument(flag, dest=field.name, nargs="*", default=(), metavar="MODULE:CLASS")
         else:
-            kind = {"int": int, "int | None": int, "str": str, "str | None": str}[str(field.type)]
+            kind = {"int": int, "int | None": int, "str": str, "str | None": str, "float": float}[str(field.type)]
             parser.add_argument(flag, dest=field.name, type=kind, default=field.default)
 
 
