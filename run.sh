@@ -30,6 +30,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
+# The metrics tests scrape the exporters with a real Prometheus server
+# (Debian's package); install it where we may.
+if [ "$cmd" = test ] && ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo_=""; [ "$(id -u)" -eq 0 ] || sudo_="sudo -n"
+  { $sudo_ apt-get update -qq && $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus; } \
+    >/dev/null 2>&1 || echo "run.sh: could not install prometheus; its test will skip (or fail under CI)" >&2
+fi
+
 case "$cmd" in
   demo) exec "$venv/bin/headrace" generate "$@" ;;
   test) exec "$py" -m pytest -q "$@" ;;

@@ -13,6 +13,7 @@ from headrace.core.request import Request
 from headrace.core.scheduler import Scheduler
 from headrace.executor.model_runner import ModelRunner
 from headrace.executor.models.loader import resolve_model_path
+from headrace.metrics.stats import EngineStats
 
 
 class EngineCore:
@@ -31,6 +32,8 @@ class EngineCore:
         self._families: dict[str, list[str]] = {}  # request id -> its live samples' scheduler ids
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time spent inside step()
+        self.metrics = EngineStats()  # read by the metrics exporter's thread, under its lock
+        self._iteration = (0, 0, 0)  # the last step's (scheduled, prompt, generated) tokens
 
     @property
     def has_unfinished(self) -> bool:
@@ -62,6 +65,7 @@ class EngineCore:
         if sp.n == 1:
             self.scheduler.add_request(Request(request_id, prompt_token_ids, sp, eos, seed, arrival_time))
             self._families[request_id] = [request_id]
+            self.record_stats()
             return
         # n samples of one prompt: sibling requests with their own seeds; the
         # first computes the prompt, the others share its KV blocks.
@@ -74,6 +78,7 @@ class EngineCore:
             self.scheduler.add_request(child)
             children.append(child.request_id)
         self._families[request_id] = children
+        self.record_stats()
 
     @staticmethod
     def _gather_prompt_logprobs(req, plp) -> None:
@@ -100,6 +105,7 @@ class EngineCore:
                 aborted.append(rid)
             self._settle(rid)
         self.executor.remove(self.scheduler.take_left())
+        self.record_stats()
         return aborted
 
     def _settle(self, rid: str) -> None:
@@ -111,11 +117,28 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
+        self._iteration = (0, 0, 0)
         try:
             return self._step()
         finally:
+            elapsed = time.perf_counter() - start
             self.num_steps += 1
-            self.step_seconds += time.perf_counter() - start
+            self.step_seconds += elapsed
+            self.record_stats(elapsed)
+
+    def record_stats(self, step_seconds: float | None = None) -> None:
+        """Copy the gauges and counters into self.metrics, plus the last step's figures when given."""
+        sched, kv, m = self.scheduler, self.scheduler.kv, self.metrics
+        num_scheduled, num_prompt, num_generated = self._iteration
+        with m.lock:
+            m.num_running, m.num_waiting, m.kv_cache_usage = len(sched.running), len(sched.waiting), kv.usage
+            m.prefix_cache_queries, m.prefix_cache_hits = kv.num_queries, kv.num_hits
+            m.num_preemptions = sched.num_preemptions
+            if step_seconds is not None and num_scheduled:
+                m.prompt_tokens += num_prompt
+                m.generation_tokens += num_generated
+                m.iteration_tokens.observe(num_scheduled)
+                m.step_seconds.observe(step_seconds)
 
     def _step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
@@ -128,6 +151,12 @@ class EngineCore:
         for req_id, plp in result.prompt_logprobs.items():
             self._gather_prompt_logprobs(self.scheduler.requests[req_id], plp)
         updates = self.scheduler.update(sched, result.sampled_token_ids)
+        # A sequence's prompt counts once, with its first token (not again when recomputed after preemption).
+        self._iteration = (
+            sched.total_num_scheduled_tokens,
+            sum(u.req.num_prompt_tokens for u in updates if len(u.req.output_token_ids) == len(u.new_token_ids)),
+            sum(len(u.new_token_ids) for u in updates),
+        )
         self.executor.remove(self.scheduler.take_left())
         lp = result.logprobs
         outputs = []

@@ -13,7 +13,7 @@ import numpy as np
 
 from headrace.core.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 def pack_ids(ids) -> bytes:
@@ -124,6 +124,7 @@ class StepOutputs(_Msg, tag="outputs"):
     """One step's outputs for one frontend's requests."""
 
     outputs: list[EngineCoreOutput]
+    timestamp: float = 0.0  # time.time() at the end of the step, for inter-token latency
 
 
 class RequestError(_Msg, tag="error"):

@@ -75,9 +75,16 @@ def bind_router(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str]:
 
 
 class CoreServer:
-    def __init__(self, args: EngineArgs, address: str) -> None:
+    """metrics_port: serve the core's Prometheus series on metrics_host:port
+    (0 = a free port; the bound one is self.metrics_port afterwards)."""
+
+    def __init__(self, args: EngineArgs, address: str, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1") -> None:
         self.engine = EngineCore(args)
         self.engine_id = uuid.uuid4().hex[:12]
+        self.model_name = self.engine.model_config.path
+        self.metrics_server = None
+        self.metrics_port: int | None = None
         self._ctx = zmq.Context()
         self._router, self.address = bind_router(self._ctx, address)
         self._out_address = f"inproc://headrace-out-{self.engine_id}"
@@ -103,6 +110,27 @@ class CoreServer:
             block_size=self.engine.cache_config.block_size,
             num_kv_blocks=self.engine.cache_config.num_blocks,
         ))
+        if metrics_port is not None:
+            from prometheus_client import CollectorRegistry
+
+            from headrace.metrics.exporter import MetricsServer
+
+            registry = CollectorRegistry()
+            registry.register(self.metrics_collector())
+            try:
+                self.metrics_server = MetricsServer(registry, metrics_host, metrics_port)
+            except BaseException:
+                self._router.close(linger=0)
+                self._pull.close()
+                self._ctx.term()
+                raise
+            self.metrics_port = self.metrics_server.port
+
+    def metrics_collector(self):
+        """A Prometheus collector of this core's series, labelled (model_name, engine)."""
+        from headrace.metrics.exporter import EngineCollector
+
+        return EngineCollector(self.engine.metrics, self.model_name, self.engine_id)
 
     # ---- lifecycle ----
 
@@ -134,6 +162,8 @@ class CoreServer:
             if self._io_thread is not None:
                 self._io_thread.join(timeout=5)
             self._ctx.term()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
 
     # ---- busy loop side ----
 
@@ -200,8 +230,9 @@ class CoreServer:
             out.request_id = request_id
             by_frontend.setdefault(identity, []).append(out)
         self._forget(set(done))
+        now = time.time()
         for identity, outs in by_frontend.items():
-            self._reply(push, identity, StepOutputs(outputs=outs))
+            self._reply(push, identity, StepOutputs(outputs=outs, timestamp=now))
 
     def _reply(self, push: zmq.Socket, identity: bytes, msg) -> None:
         push.send_multipart([identity, encode(msg)])

@@ -5,9 +5,11 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
+from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from headrace.core.config import EngineArgs
@@ -17,6 +19,8 @@ from headrace.core.sampling_params import SamplingParams, check_token_ids
 from headrace.frontend.client import EngineClient, EngineDeadError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
+from headrace.metrics.exporter import MetricsServer, check_metrics_options, frontend_collector
+from headrace.metrics.stats import FrontendStats
 
 try:
     import uvloop
@@ -49,11 +53,29 @@ class AsyncEngine:
 
     from_model spawns a core process that lives as long as this engine (and
     never outlives this process); connect joins a core already running.
+
+    Request-level Prometheus metrics (docs/metrics.md): metrics_port serves
+    them on 127.0.0.1:port (0 = a free port; see self.metrics_port), or
+    metrics_registry registers them into the application's own registry.
     """
 
-    def __init__(self, address: str, process: CoreProcess | None = None) -> None:
+    def __init__(self, address: str, process: CoreProcess | None = None, *, metrics_port: int | None = None,
+                 metrics_registry=None) -> None:
+        check_metrics_options(metrics_port, metrics_registry)
         self.address = address
         self._process = process
+        self.frontend_id = uuid.uuid4().hex[:12]
+        self._stats: FrontendStats | None = None
+        self._metrics_server: MetricsServer | None = None
+        self.metrics_port: int | None = None
+        if metrics_port is not None or metrics_registry is not None:
+            self._stats = FrontendStats(self.frontend_id)
+            if metrics_registry is None:
+                metrics_registry = CollectorRegistry()
+                self._metrics_server = MetricsServer(metrics_registry, "127.0.0.1", metrics_port)
+                self.metrics_port = self._metrics_server.port
+            self._metrics_collector = frontend_collector(metrics_registry)
+            self._metrics_collector.add(self._stats)
         self._client: EngineClient | None = None
         self._start_lock: asyncio.Lock | None = None
         self.tokenizer = None
@@ -63,14 +85,22 @@ class AsyncEngine:
         self._token_text: TokenText | None = None
 
     @classmethod
-    def from_model(cls, model: str, **engine_args) -> AsyncEngine:
+    def from_model(cls, model: str, *, metrics_port: int | None = None, metrics_registry=None,
+                   core_metrics_port: int | None = None, **engine_args) -> AsyncEngine:
+        """Spawn a core for model; core_metrics_port has it serve its own series
+        on 127.0.0.1:port (metrics_port is this frontend's)."""
+        check_metrics_options(metrics_port, metrics_registry)
         args = EngineArgs(model=str(model), **engine_args)
-        process = CoreProcess.spawn(args)
-        return cls(process.address, process)
+        process = CoreProcess.spawn(args, metrics_port=core_metrics_port)
+        try:
+            return cls(process.address, process, metrics_port=metrics_port, metrics_registry=metrics_registry)
+        except BaseException:
+            process.shutdown()
+            raise
 
     @classmethod
-    def connect(cls, address: str) -> AsyncEngine:
-        return cls(address)
+    def connect(cls, address: str, *, metrics_port: int | None = None, metrics_registry=None) -> AsyncEngine:
+        return cls(address, metrics_port=metrics_port, metrics_registry=metrics_registry)
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -90,6 +120,9 @@ class AsyncEngine:
                 self.info = await client.start()
                 self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.info.tokenizer)
                 self._token_text = TokenText(self.tokenizer)
+                if self._stats is not None:
+                    with self._stats.lock:
+                        self._stats.model_name = self.info.model
                 self._client = client
         return self.info
 
@@ -119,6 +152,8 @@ class AsyncEngine:
                     return
         finally:
             if not state.finished and self._states.pop(state.request_id, None) is not None:
+                state.finish("abort")
+                state.record_finished()
                 if not self.is_dead:
                     # Fire and forget: a cancelled task cannot await.
                     asyncio.get_running_loop().create_task(self._client.abort([state.request_id]))
@@ -145,6 +180,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
         state = RequestState(request_id, text, token_ids, params, self.tokenizer, self._token_text, arrival)
+        state.stats = self._stats
         queue: asyncio.Queue = asyncio.Queue()
         self._states[request_id] = (state, queue)
         try:
@@ -209,6 +245,7 @@ class AsyncEngine:
         for rid in ids:
             state, queue = self._states.pop(rid)
             state.finish("abort")
+            state.record_finished()
             queue.put_nowait(state.output())
 
     async def stats(self):
@@ -223,11 +260,21 @@ class AsyncEngine:
             self._client = None
         if self._process is not None:
             await asyncio.to_thread(self._process.shutdown)
+        self._close_metrics()
 
     def shutdown(self) -> None:
         """Stop a spawned core (from sync code; in async code use aclose())."""
         if self._process is not None:
             self._process.shutdown()
+        self._close_metrics()
+
+    def _close_metrics(self) -> None:
+        """Stop serving metrics, and leave the application's registry."""
+        if self._stats is not None:
+            self._metrics_collector.remove(self._stats)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
 
     def _check_alive(self) -> None:
         if self._client is not None and self._client.dead is not None:
@@ -242,7 +289,7 @@ class AsyncEngine:
             if entry is None:
                 continue
             state, queue = entry
-            result = state.process(out)
+            result = state.process(out, msg.timestamp)
             if result is not None:
                 queue.put_nowait(result)
             if state.stopped_by_string:
@@ -250,6 +297,7 @@ class AsyncEngine:
                 state.stopped_by_string = []
             if state.finished:
                 del self._states[out.request_id]
+                state.record_finished()
         if aborts:
             asyncio.get_running_loop().create_task(self._client.abort(aborts))
 

@@ -64,10 +64,13 @@ def _core(args: argparse.Namespace) -> int:
         _die_with_parent(args.parent_pid)
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     engine_args = EngineArgs(**{k: v for k, v in vars(args).items() if k in fields})
-    server = CoreServer(engine_args, args.address)
+    server = CoreServer(engine_args, args.address, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
+    # The first line names the address; tools read it (and the second, with metrics).
     print(f"headrace core: serving {engine_args.model} at {server.address}", flush=True)
+    if server.metrics_server is not None:
+        print(f"headrace core: metrics at {server.metrics_server.url}", flush=True)
     server.serve_forever(parent_pid=args.parent_pid)
     return 0
 
@@ -103,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     core = sub.add_parser("core", help="run an engine core that frontends connect to over ZeroMQ")
     core.add_argument("--address", default="tcp://127.0.0.1:0",
                       help="ipc:///path or tcp://HOST:PORT to bind (default: loopback, a free port)")
+    core.add_argument("--metrics-port", type=int, default=None,
+                      help="serve Prometheus metrics on this port (0: a free port, printed on start)")
+    core.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: loopback)")
     core.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     _add_engine_args(core)
     core.set_defaults(func=_core)

@@ -45,7 +45,7 @@ class CoreProcess:
         self._directory = directory
 
     @classmethod
-    def spawn(cls, args: EngineArgs, address: str | None = None) -> CoreProcess:
+    def spawn(cls, args: EngineArgs, address: str | None = None, metrics_port: int | None = None) -> CoreProcess:
         # Refuse a bad model here, with the loader's own message, rather than
         # as a dead child process.
         ModelConfig.from_dir(resolve_model_path(args.model))
@@ -54,6 +54,8 @@ class CoreProcess:
             address, directory = private_ipc_address()
         cmd = [sys.executable, "-m", "headrace.frontend.cli", "core", "--address", address,
                "--parent-pid", str(os.getpid()), *engine_args_to_cli(args)]
+        if metrics_port is not None:
+            cmd += ["--metrics-port", str(metrics_port)]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # logs go to stderr
         return cls(proc, address, directory)
 

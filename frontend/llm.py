@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Sequence
 
 import msgspec
+from prometheus_client import CollectorRegistry
 from tqdm.auto import tqdm
 
 from headrace.core.config import EngineArgs
@@ -21,18 +22,25 @@ from headrace.core.sampling_params import RequestOutputKind, SamplingParams
 from headrace.core.server import CoreServer
 from headrace.frontend.async_engine import AsyncEngine, Prompt, new_event_loop
 from headrace.frontend.core_process import private_ipc_address
+from headrace.metrics.exporter import MetricsServer, check_metrics_options
 
 
 class LLM:
     """LLM(model, dtype="auto", device="auto", max_num_seqs=256,
     max_num_batched_tokens=8192, max_model_len=None, block_size=16,
-    num_kv_blocks=None, enable_prefix_caching=True, seed=0, tokenizer=None)
+    num_kv_blocks=None, enable_prefix_caching=True, seed=0, tokenizer=None,
+    metrics_port=None, metrics_registry=None)
+
+    metrics_port serves the engine's and the frontend's Prometheus series
+    together on 127.0.0.1:port (0 = a free port; see self.metrics_port);
+    metrics_registry registers them into the application's registry instead.
     """
 
-    def __init__(self, model: str, **kwargs) -> None:
+    def __init__(self, model: str, *, metrics_port: int | None = None, metrics_registry=None, **kwargs) -> None:
         unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {sorted(unknown)}")
+        check_metrics_options(metrics_port, metrics_registry)
         args = EngineArgs(model=str(model), **kwargs)
         address, directory = private_ipc_address()
         try:
@@ -40,15 +48,26 @@ class LLM:
         except BaseException:
             os.rmdir(directory)
             raise
+        self.metrics_port: int | None = None
+        metrics_server = core_collector = None
+        if metrics_port is not None or metrics_registry is not None:
+            if metrics_registry is None:
+                metrics_registry = CollectorRegistry()
+            core_collector = self.core.metrics_collector()
+            metrics_registry.register(core_collector)
+            if metrics_port is not None:
+                metrics_server = MetricsServer(metrics_registry, "127.0.0.1", metrics_port)
+                self.metrics_port = metrics_server.port
         self.engine = self.core.engine  # the EngineCore, for inspection
         core_thread = threading.Thread(target=self.core.serve_forever, name="headrace-core", daemon=True)
         core_thread.start()
         self._loop = new_event_loop()
         loop_thread = threading.Thread(target=self._loop.run_forever, name="headrace-frontend", daemon=True)
         loop_thread.start()
-        self._frontend = AsyncEngine(self.core.address)
+        self._frontend = AsyncEngine(self.core.address, metrics_registry=metrics_registry)
         self._finalizer = weakref.finalize(
-            self, _shutdown, self.core, core_thread, self._frontend, self._loop, loop_thread, address, directory
+            self, _shutdown, self.core, core_thread, self._frontend, self._loop, loop_thread, address, directory,
+            metrics_registry, core_collector, metrics_server,
         )
         self._call(self._frontend.start())
         self.tokenizer = self._frontend.tokenizer
@@ -128,7 +147,13 @@ def _as_list(prompts) -> list:
     return [prompts] if one_token_list or one_chat else prompts
 
 
-def _shutdown(core, core_thread, frontend, loop, loop_thread, address, directory) -> None:
+def _shutdown(core, core_thread, frontend, loop, loop_thread, address, directory, metrics_registry=None,
+              core_collector=None, metrics_server=None) -> None:
+    if metrics_server is not None:
+        metrics_server.close()
+    if core_collector is not None:
+        metrics_registry.unregister(core_collector)
+    frontend._close_metrics()
     if loop.is_running():
         try:
             asyncio.run_coroutine_threadsafe(frontend.aclose(), loop).result(timeout=5)

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import functools
+import time
 
 from headrace.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from headrace.core.protocol import EngineCoreOutput, unpack_floats, unpack_ids
 from headrace.core.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.detokenizer import IncrementalDetokenizer
+from headrace.metrics.stats import FrontendStats
 
 
 class TokenText:
@@ -36,6 +38,7 @@ class _Sample:
         self._text_end: int | None = None  # where a stop string cut the text
         self.sent_text = 0
         self.sent_tokens = 0
+        self.last_token_time: float | None = None  # core timestamp of the step that sent the last token
 
     @property
     def finished(self) -> bool:
@@ -134,6 +137,7 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._token_text = token_text
         self.stopped_by_string: list[str] = []  # "id#i" (or "id") of samples a stop string ended
+        self.stats: FrontendStats | None = None  # where request-level metrics go, if anywhere
 
     @property
     def finished(self) -> bool:
@@ -153,22 +157,41 @@ class RequestState:
             if not s.finished:
                 s.finish_reason = reason
 
-    def process(self, out: EngineCoreOutput) -> RequestOutput | None:
-        """Take one core output; returns what to hand the consumer, if anything."""
+    def process(self, out: EngineCoreOutput, timestamp: float | None = None) -> RequestOutput | None:
+        """Take one core output (of the step that ended at core time timestamp);
+        returns what to hand the consumer, if anything."""
         sample = self.samples[out.index]
         if sample.finished:
             return None  # e.g. tokens the core produced before it saw our abort
         sample.process(out)
+        m = self.metrics
+        if self.stats is not None and timestamp:
+            if sample.last_token_time is not None and out.new_token_ids:
+                self.stats.on_token_gaps([timestamp - sample.last_token_time])
+            sample.last_token_time = timestamp
+        if self.stats is not None and m.first_token_time is None and out.first_token_time is not None:
+            self.stats.on_first_token(m.arrival_time, out.first_scheduled_time, out.first_token_time)
         if out.prompt_ranks and self.prompt_logprobs is None:
             self._add_prompt_logprobs(out)
         if sample.stopped_by_string:
             self.stopped_by_string.append(self.request_id if self.params.n == 1 else f"{self.request_id}#{out.index}")
-        m = self.metrics
         m.first_scheduled_time = m.first_scheduled_time or out.first_scheduled_time
         m.first_token_time = m.first_token_time or out.first_token_time
         if self.finished:
             m.finished_time = out.finished_time or m.finished_time
         return self.output()
+
+    def record_finished(self) -> None:
+        """Record the request-level metrics of a request that just finished (or was aborted)."""
+        if self.stats is None:
+            return
+        m = self.metrics
+        if m.finished_time is None:
+            m.finished_time = time.time()  # ended in the frontend: a stop string or an abort
+        reason = self.finish_reason or "abort"
+        self.stats.on_finished(reason, m.arrival_time, m.first_token_time, m.finished_time,
+                               len(self.prompt_token_ids), sum(len(s.token_ids) for s in self.samples))
+        self.stats = None  # once
 
     def _add_prompt_logprobs(self, out: EngineCoreOutput) -> None:
         ranks = unpack_ids(out.prompt_ranks)
