@@ -18,6 +18,7 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.test_kernels import dense_causal_attention  # noqa: E402
 from headrace.kernels.attention import (  # noqa: E402
     paged_attention, paged_attention_ref, paged_attention_torch, write_kv, write_kv_ref,
 )
@@ -61,17 +62,6 @@ def poisoned(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
-
-
-def dense_causal_attention(q, k, v, scale):
-    """q: [q_len, H, D] for the last q_len of k/v's [L, Hkv, D]; float64 reference."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, 1)
-    v = v.double().repeat_interleave(group, 1)
-    L, n = k.shape[0], q.shape[0]
-    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    mask = torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None]
-    return torch.einsum("hqk,khd->qhd", s.masked_fill(mask, -math.inf).softmax(-1), v)
 
 
 def _batch(reqs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed):
