@@ -63,6 +63,9 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> None:
         self.device = resolve_device(args.device)
+        if self.device.type == "cpu" and args.gpu_memory_utilization != 0.9:
+            raise ConfigError("gpu_memory_utilization applies to a GPU; on the CPU the KV pool is sized by "
+                              "num_kv_blocks or HEADRACE_CPU_KV_CACHE_GB")
         if self.device.type == "cpu":
             # torch's OpenMP workers spin at barriers; with the engine's own
             # threads competing for the same cores, steps slow down severalfold.

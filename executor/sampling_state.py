@@ -103,6 +103,8 @@ class SamplingState:
 
     def append(self, slots: np.ndarray, tokens: list[int]) -> None:
         """Record sampled tokens in the histories that bad words are checked against."""
+        if not self.history:
+            return
         for slot, token in zip(slots.tolist(), tokens):
             history = self.history.get(slot)
             if history is not None:

@@ -56,6 +56,8 @@ def test_engine_args_are_validated(checkpoint):
         (dict(block_size=12), "block_size must be a power of two"),
         (dict(max_model_len=10**6), "exceeds the model's max_position_embeddings"),
         (dict(num_kv_blocks=2, max_model_len=64), "num_kv_blocks=2 cannot hold one sequence"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in"),
+        (dict(device="cpu", gpu_memory_utilization=0.5), "gpu_memory_utilization applies to a GPU"),
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(path, **kwargs)
