@@ -216,6 +216,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # no CUDA graphs (only a GPU captures any)
     enable_prefix_caching: bool = True
     seed: int = 0
     logprobs_mode: str = "raw"

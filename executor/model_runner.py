@@ -10,6 +10,7 @@ from headrace import envs
 from headrace.core.config import ConfigError, EngineArgs, ModelConfig, SchedulerConfig
 from headrace.core.scheduler import SchedulerOutput
 from headrace.executor.attention import AttentionMetadata
+from headrace.executor.cuda_graphs import DecodeGraphs
 from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.models.loader import load_model
 from headrace.executor.sampler import SampledLogprobs, sample
@@ -85,6 +86,10 @@ class ModelRunner:
         self.states = RequestStates(sched_cfg.max_num_seqs, sched_cfg.max_model_len, max_blocks_per_req,
                                     self.device, sampling)
         self.processors = [make(model_cfg.vocab_size, self.device) for make in load_logits_processors(args)]
+        self.graphs = None
+        if self.device.type == "cuda" and not args.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, sched_cfg.max_num_seqs, max_blocks_per_req,
+                                       sched_cfg.max_model_len, self.device)
 
     def _num_blocks(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> int:
         per_seq = -(-sched_cfg.max_model_len // self.block_size)
@@ -177,7 +182,10 @@ class ModelRunner:
         states.apply_staged()
 
         batch = prepare_inputs(states, sched.num_scheduled_tokens, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn)
+        if self.graphs is not None and self.graphs.fits(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled, logprobs = sample(logits, batch, states, self.processors)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
