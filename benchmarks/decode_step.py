@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--contexts", default="128,1024,4096")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
 
     from benchmarks_common import qwen3_06b_checkpoint
@@ -75,14 +75,18 @@ def main() -> None:
                                          num_kv_blocks=batch * (-(-context // 16))))
             weights = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
             rng = random.Random(0)
-            sp = SamplingParams(temperature=0.6, max_tokens=args.steps + 4, ignore_eos=True)
-            prompt_len = context - args.steps - 4  # the timed steps read close to `context` cached tokens
+            # Requests whose prefill ends early decode while the others prefill:
+            # leave them room (64 tokens) so that every row is still running,
+            # and decoding near `context`, in the timed steps.
+            prompt_len = context - 64
+            sp = SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True)
             for i in range(batch):
                 core.add_request(str(i), [rng.randrange(3, 10000) for _ in range(prompt_len)], sp, time.time())
             while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                                 for r in core.scheduler.running):
                 core.step()  # prefill
             core.step()  # first decode step: warm
+            assert len(core.scheduler.running) == batch, "a request finished before the timed steps"
             times = []
             for _ in range(args.steps):
                 torch.cuda.synchronize()
@@ -90,6 +94,7 @@ def main() -> None:
                 core.step()
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
+            assert len(core.scheduler.running) == batch
             step = statistics.median(times)
             # one multiply-add per weight per token (bf16: 2 bytes a weight), plus q.k and p.v over the context
             flops = 2 * batch * (weights / 2) + 4 * batch * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
