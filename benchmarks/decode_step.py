@@ -87,6 +87,8 @@ def main() -> None:
                 core.step()  # prefill
             core.step()  # first decode step: warm
             assert len(core.scheduler.running) == batch, "a request finished before the timed steps"
+            # KV read per step: the cached tokens, at the middle of the timed steps
+            cached = sum(r.num_tokens for r in core.scheduler.running) + batch * args.steps // 2
             times = []
             for _ in range(args.steps):
                 torch.cuda.synchronize()
@@ -98,7 +100,7 @@ def main() -> None:
             step = statistics.median(times)
             # one multiply-add per weight per token (bf16: 2 bytes a weight), plus q.k and p.v over the context
             flops = 2 * batch * (weights / 2) + 4 * batch * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
-            kv_bytes = batch * context * kv_per_token
+            kv_bytes = cached * kv_per_token
             t_bytes, t_flops = (weights + kv_bytes) / bw, flops / rate
             floor = t_bytes + t_flops
             bound = "memory" if t_bytes > t_flops else "compute"
