@@ -1,0 +1,117 @@
+"""Offline throughput on the small-engine community's workload, against its
+floor and transformers' continuous batching.
+
+    python3 benchmarks/throughput.py [--num-requests 256] [--peer-requests 32] [--model DIR]
+
+Workload: seed 0; prompts of uniform [100, 1024] random token ids in [0,
+10000); max_tokens uniform [100, 1024]; temperature 0.6; ignore_eos;
+max_model_len 4096; the Qwen3-0.6B shape with random bf16 weights.
+
+The floor comes from the schedule the engine actually ran: every step
+reads all weights once and each scheduled request's cached KV, at the
+device-to-device copy bandwidth measured in this run, plus the step's
+matmul FLOPs (two per weight per token) at the measured bf16 matmul rate.
+The peer is transformers' generate_batch on the first --peer-requests
+requests (all with the same max_new_tokens, which generate_batch needs),
+run by both engines.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from benchmarks_common import qwen3_06b_checkpoint
+from decode_step import measure_ceilings
+from headrace.core.config import EngineArgs, ModelConfig
+from headrace.core.engine import EngineCore
+from headrace.core.sampling_params import SamplingParams
+
+
+def workload(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+    max_tokens = [rng.randint(100, 1024) for _ in range(n)]
+    return prompts, max_tokens
+
+
+class ScheduleRecorder:
+    """Per executed step: tokens computed and KV tokens read."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.tokens = self.kv_tokens = self.steps = 0
+        execute = core.executor.execute
+
+        def recording(sched):
+            computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
+            computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_reqs})
+            self.steps += 1
+            self.tokens += sched.total_num_scheduled_tokens
+            self.kv_tokens += sum(computed[rid] + n for rid, n in sched.num_scheduled_tokens.items())
+            return execute(sched)
+
+        core.executor.execute = recording
+
+
+def run_ours(core: EngineCore, prompts, max_tokens) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        core.add_request(f"{time.monotonic_ns()}-{i}", p, SamplingParams(temperature=0.6, max_tokens=m,
+                                                                          ignore_eos=True), time.time())
+    out = 0
+    while core.has_unfinished:
+        out += sum(len(o.new_token_ids) // 4 for o in core.step())
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def run_peer(model_dir: str, prompts, max_new_tokens: int) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=0.6, eos_token_id=None)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        results = model.generate_batch(prompts, generation_config=cfg)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    return elapsed, sum(len(r.generated_tokens) for r in results.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--peer-requests", type=int, default=32)
+    parser.add_argument("--peer-max-tokens", type=int, default=256)
+    args = parser.parse_args()
+    model = args.model or str(qwen3_06b_checkpoint())
+    cfg = ModelConfig.from_dir(model)
+    bw, rate = measure_ceilings(torch.device("cuda"))
+    core = EngineCore(EngineArgs(model=model, device="cuda", max_model_len=4096, max_num_seqs=256))
+    weights = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    prompts, max_tokens = workload(args.num_requests)
+    run_ours(core, prompts[:4], [8] * 4)  # warm-up
+    rec = ScheduleRecorder(core)
+    elapsed, out_tokens = run_ours(core, prompts, max_tokens)
+    floor = rec.steps * weights / bw + rec.kv_tokens * kv_per_token / bw + 2 * (weights / 2) * rec.tokens / rate
+    print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    print(f"headrace: {out_tokens} output tokens in {elapsed:.2f} s = {out_tokens / elapsed:.0f} tok/s; "
+          f"{rec.steps} steps; floor {floor:.2f} s = {out_tokens / floor:.0f} tok/s; "
+          f"time / floor = {elapsed / floor:.2f}")
+    sub = prompts[: args.peer_requests]
+    ours_t, ours_n = run_ours(core, sub, [args.peer_max_tokens] * len(sub))
+    try:
+        peer_t, peer_n = run_peer(model, sub, args.peer_max_tokens)
+    except Exception as e:  # the peer's own failure is reported, not hidden
+        print(f"transformers generate_batch failed: {type(e).__name__}: {e}")
+        return
+    print(f"subset of {len(sub)} requests x {args.peer_max_tokens} tokens: headrace {ours_n / ours_t:.0f} tok/s, "
+          f"transformers generate_batch {peer_n / peer_t:.0f} tok/s, ratio {(ours_n / ours_t) / (peer_n / peer_t):.1f}x")
+
+
+if __name__ == "__main__":
+    main()
