@@ -5,6 +5,7 @@ device), that follows the batch's slots:
 - add_request(slot, params, prompt_token_ids) when a request takes a slot
   (params.extra_args carries the request's own arguments);
 - remove_request(slot) when it leaves;
+- record(slot, token) for each token sampled (optional);
 - apply(logits, batch) every step, changing in place the rows
   ([num_rows, vocab] float32, before temperature) of the requests it
   follows; batch.slots maps rows to slots and batch.num_output_tokens
@@ -33,6 +34,9 @@ class LogitsProcessor:
 
     def remove_request(self, slot: int) -> None:
         pass
+
+    def record(self, slot: int, token: int) -> None:
+        """A token was sampled for the request in slot (after apply)."""
 
     def apply(self, logits: torch.Tensor, batch) -> None:
         raise NotImplementedError

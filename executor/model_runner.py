@@ -244,7 +244,7 @@ class ModelRunner:
             states.num_tokens[slots[rows]] += 1
             tokens = [sampled_host[r] for r in rows.tolist()]
             states.sampling.append(slots[rows], tokens)
-            for proc in self.processors:
-                if hasattr(proc, "record"):
-                    for slot, token in zip(slots[rows].tolist(), tokens):
+            if self.processors:
+                for slot, token in zip(slots[rows].tolist(), tokens):
+                    for proc in self.processors:
                         proc.record(slot, token)

@@ -234,6 +234,10 @@ class AsyncEngine:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab})")
         return text, token_ids
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether this frontend has the request and it has not finished."""
+        return request_id in self._states
+
     async def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort running requests; an id this frontend does not know raises KeyError."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -129,9 +129,9 @@ class LLM:
                 bar.update(1)
             return results
         except BaseException:
-            live = [s.request_id for s, _ in submitted if not s.finished]
+            live = [s.request_id for s, _ in submitted if frontend.is_running(s.request_id)]
             if live and not frontend.is_dead:
-                await frontend.abort([r for r in live if r in frontend._states])
+                await frontend.abort(live)
             raise
         finally:
             bar.close()
