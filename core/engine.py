@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 
 import numpy as np
 
@@ -34,10 +35,13 @@ class EngineCore:
         self.step_seconds = 0.0  # wall time spent inside step()
         self.metrics = EngineStats()  # read by the metrics exporter's thread, under its lock
         self._iteration = (0, 0, 0)  # the last step's (scheduled, prompt, generated) tokens
+        # Steps queued on the device whose outputs are not read yet, oldest
+        # first: (what was scheduled, the executor's handle).
+        self._in_flight: deque = deque()
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float
@@ -141,15 +145,37 @@ class EngineCore:
                 m.step_seconds.observe(step_seconds)
 
     def _step(self) -> list[EngineCoreOutput]:
+        """Schedule and queue step N+1, then read back step N: the device runs
+        N+1 while the host processes N's outputs. Steps that need the previous
+        tokens on the host (bad words, custom logits processors) run one at a
+        time instead."""
+        sync = bool(self.scheduler.host_token_ids) or bool(self.executor.processors)
+        outputs = self._read_back(keep=0) if sync else []
         sched = self.scheduler.schedule()
-        if not sched.num_scheduled_tokens:
+        if sched.num_scheduled_tokens:
+            self._in_flight.append((sched, self.executor.execute(sched)))
+        else:
+            self.executor.remove(sched.finished_req_ids)  # e.g. a request that preempted itself
+        if not sched.num_scheduled_tokens and not self._in_flight:
             # Admission always fits one request into an empty pool, so an idle
             # step with work queued would be a scheduler bug, not a wait.
-            assert not self.has_unfinished, "the scheduler scheduled nothing while requests wait"
-            return []
-        result = self.executor.execute(sched)
+            assert not self.scheduler.num_unfinished, "the scheduler scheduled nothing while requests wait"
+        keep = 1 if sched.num_scheduled_tokens and not sync else 0
+        return outputs + self._read_back(keep)
+
+    def _read_back(self, keep: int) -> list[EngineCoreOutput]:
+        """Process the outputs of queued steps, oldest first, until `keep` are left."""
+        outputs = []
+        while len(self._in_flight) > keep:
+            sched, pending = self._in_flight.popleft()
+            outputs += self._process(sched, self.executor.collect(pending))
+        return outputs
+
+    def _process(self, sched, result) -> list[EngineCoreOutput]:
         for req_id, plp in result.prompt_logprobs.items():
-            self._gather_prompt_logprobs(self.scheduler.requests[req_id], plp)
+            req = self.scheduler.requests.get(req_id)
+            if req is not None:
+                self._gather_prompt_logprobs(req, plp)
         updates = self.scheduler.update(sched, result.sampled_token_ids)
         # A sequence's prompt counts once, with its first token (not again when recomputed after preemption).
         self._iteration = (

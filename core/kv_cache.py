@@ -162,15 +162,20 @@ class KVCacheManager:
         return list(cached_blocks) + new
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register req's full blocks whose KV is now computed."""
+        """Register req's full blocks whose KV is computed (or queued to be)
+        and whose tokens are all known (pending samples are not)."""
         if not self.enable_prefix_caching:
             return
         hashes = self.block_hashes(req)
         start = self._num_registered.get(req.request_id, 0)
-        end = req.num_computed_tokens // self.block_size
+        end = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         for i in range(start, end):
             self.pool.register(req.block_ids[i], hashes[i])
         self._num_registered[req.request_id] = max(start, end)
+
+    def num_registered_blocks(self, req: Request) -> int:
+        """req's leading blocks that cache_computed_blocks has registered."""
+        return self._num_registered.get(req.request_id, 0)
 
     def free(self, req: Request) -> None:
         self.pool.free(list(reversed(req.block_ids)))

@@ -34,9 +34,13 @@ _FINISH_REASONS = {
 class Request:
     """Tokens, progress and KV blocks of one sequence.
 
-    num_computed_tokens counts the tokens whose KV is in the cache; the
-    tokens after it (prompt remainder, or the last sampled token) are what
-    the next step must compute. A preempted request drops its blocks and
+    num_computed_tokens counts the tokens whose KV is in the cache once the
+    steps already queued on the device have run: the scheduler advances it
+    when it schedules a step, not when the step reports. A step that computes
+    a request's last expected token samples one more, which stays pending
+    (num_pending) until that step's output is read back; the next step can
+    already compute it, since the executor feeds sampled tokens on the
+    device. A preempted request drops its blocks and pending tokens and
     recomputes everything, prompt and outputs alike, when readmitted.
     """
 
@@ -67,6 +71,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_pending = 0  # tokens sampled by queued steps, not yet read back
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.num_preemptions = 0
         self.block_ids: list[int] = []
@@ -78,6 +83,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_expected(self) -> int:
+        """Known tokens plus those queued steps will sample."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:

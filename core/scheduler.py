@@ -6,6 +6,14 @@ max_num_seqs and the KV pool allow. A request may take only part of its
 remaining prompt (chunked prefill). When a running request needs a block
 and none is free, the newest running request is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed.
+
+Scheduling runs ahead of the device: schedule() counts a step's tokens as
+computed at once, and a step that reaches a request's last expected token
+leaves one sampled token pending, so the next step can be scheduled (and
+queued behind this one) before this one's tokens are read back. update()
+takes a step's sampled tokens whenever they arrive. A request whose
+pending tokens will finish it (max_tokens, max_model_len) is not scheduled
+again.
 """
 from __future__ import annotations
 
@@ -46,6 +54,8 @@ class SchedulerOutput:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens; batch order
+    reqs: list[Request] = field(default_factory=list)  # batch row -> request
+    samples: list[bool] = field(default_factory=list)  # batch row -> whether it samples a token
     # Requests that left the executor since the last step (finished, aborted,
     # preempted): their slots are freed before new requests take slots.
     finished_req_ids: set[str] = field(default_factory=set)
@@ -75,6 +85,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._left: set[str] = set()  # request ids to report in the next finished_req_ids
+        # Live requests whose sampling reads their previous tokens on the host
+        # (bad words): a step for them waits for the step before to report.
+        self.host_token_ids: set[str] = set()
         self.num_preemptions = 0
 
     @property
@@ -86,6 +99,8 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if req.sampling_params.bad_words_token_ids:
+            self.host_token_ids.add(req.request_id)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -94,7 +109,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._finishes_with_pending(req):
+                i += 1
+                continue
+            n = min(req.num_expected - req.num_computed_tokens, budget)
             new_blocks = self.kv.allocate(req, n)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -107,7 +125,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             out.cached_reqs.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
-            out.num_scheduled_tokens[req.request_id] = n
+            self._scheduled(out, req, n)
             budget -= n
             i += 1
 
@@ -137,11 +155,33 @@ class Scheduler:
                 NewRequestData(req.request_id, list(req.all_token_ids), req.num_prompt_tokens, list(req.block_ids),
                                num_computed, req.sampling_params, req.seed)
             )
-            out.num_scheduled_tokens[req.request_id] = n
+            self._scheduled(out, req, n)
             budget -= n
 
         out.finished_req_ids = self.take_left()
         return out
+
+    def _scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """Count n tokens of req as computed by this step, and its sample as pending."""
+        # Blocks that earlier steps compute are shared from now on; this
+        # step's own blocks only from the next schedule, so a prefix hit never
+        # reads a block that its step is still writing.
+        self.kv.cache_computed_blocks(req)
+        out.num_scheduled_tokens[req.request_id] = n
+        out.reqs.append(req)
+        req.num_computed_tokens += n
+        samples = req.num_computed_tokens == req.num_expected
+        out.samples.append(samples)
+        if samples:
+            req.num_pending += 1
+
+    def _finishes_with_pending(self, req: Request) -> bool:
+        """Whether the tokens queued steps sample will finish req by length."""
+        if not req.num_pending:
+            return False
+        max_tokens = req.sampling_params.max_tokens
+        return (max_tokens is not None and len(req.output_token_ids) + req.num_pending >= max_tokens) \
+            or req.num_expected >= self.config.max_model_len
 
     def take_left(self) -> set[str]:
         """Ids of requests that left the executor (finished, aborted,
@@ -151,40 +191,42 @@ class Scheduler:
 
     def _waits_for_leader(self, req: Request) -> bool:
         """A sibling of a parallel-sampling request (n > 1) waits until the
-        first sibling has computed the prompt, then shares its full prompt
-        blocks through the prefix cache instead of computing them again."""
+        first sibling's prompt blocks are in the prefix cache, then shares
+        them instead of computing them again."""
         leader = req.leader
-        return (leader is not None and self.kv.enable_prefix_caching and leader.request_id in self.requests
-                and leader.num_computed_tokens < leader.num_prompt_tokens)
+        if leader is None or not self.kv.enable_prefix_caching or leader.request_id not in self.requests:
+            return False
+        shareable = (leader.num_prompt_tokens - 1) // self.kv.block_size  # see find_cached_prefix
+        return self.kv.num_registered_blocks(leader) < shareable
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_pending = 0  # what queued steps sample for it is dropped
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         self._left.add(req.request_id)
 
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[RequestUpdate]:
-        """Advance the scheduled requests by one step's results.
+        """Take one step's sampled tokens: sampled_token_ids[row] for batch
+        row `row`; rows that did not sample (prefill chunks) are ignored.
 
-        sampled_token_ids[row] is the token sampled for batch row `row`;
-        rows whose request has not yet computed all its known tokens (a
-        prefill chunk) produced no token.
+        Steps report in the order they were scheduled, possibly after later
+        steps were scheduled. A row whose request was aborted or preempted
+        since its step was scheduled is dropped.
         """
         updates = []
         now = time.time()
-        for row, (req_id, n) in enumerate(out.num_scheduled_tokens.items()):
-            req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            req.num_computed_tokens += n
-            self.kv.cache_computed_blocks(req)
-            if req.num_computed_tokens < req.num_tokens:
+        for row, req in enumerate(out.reqs):
+            if not out.samples[row] or req.status != RequestStatus.RUNNING \
+                    or self.requests.get(req.request_id) is not req:
                 continue
             token = sampled_token_ids[row]
+            req.num_pending -= 1
             req.append_token(token)
+            self.kv.cache_computed_blocks(req)
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req, token)
@@ -228,3 +270,4 @@ class Scheduler:
         req.finished_time = time.time()
         self.kv.free(req)
         del self.requests[req.request_id]
+        self.host_token_ids.discard(req.request_id)

@@ -31,6 +31,19 @@ class PromptLogprobs:
 
 
 @dataclass
+class PendingOutput:
+    """A step queued on the device; ModelRunner.collect() reads it back."""
+
+    req_ids: list[str]  # batch order
+    slots: np.ndarray  # [num_rows] batch row -> slot when queued
+    sample_rows: np.ndarray  # rows that sample a token
+    sampled: torch.Tensor  # [num_rows] int64, host copy (valid after `ready`)
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None  # host copies of the packed logprobs
+    prompt_logprobs: dict[str, tuple]  # request id -> (start, token ids, scores, ranks), host copies
+    ready: torch.cuda.Event | None = None  # passed when the host copies are done (None on the CPU)
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # batch order
     sampled_token_ids: list[int]  # batch row -> sampled token (meaningless for prefill-chunk rows)
@@ -170,7 +183,15 @@ class ModelRunner:
         return peak + 3 * rows * model_cfg.vocab_size * 4  # sort values and int64 indices
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput) -> PendingOutput:
+        """Queue one step on the device and return without waiting for it.
+
+        Everything the next step needs stays on the device: the slots'
+        computed counts advance there, and each sampled token is written into
+        its slot's token ids, where the next step's input gathering reads it.
+        Host copies of the outputs are queued behind the step; collect()
+        waits for them.
+        """
         states = self.states
         self.remove(sched.finished_req_ids)
         for new in sched.new_reqs:
@@ -189,14 +210,39 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled, logprobs = sample(logits, batch, states, self.processors)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        sampled_host = sampled.tolist()  # the step's one device-to-host sync
-        self._advance(batch, sampled, sampled_host)
-        return ModelRunnerOutput(batch.req_ids, sampled_host, logprobs, prompt_logprobs)
+        self._advance(batch, sampled)
+        pending = PendingOutput(
+            req_ids=batch.req_ids,
+            slots=batch.idx_mapping_np,
+            sample_rows=batch.sample_rows_np,
+            sampled=_to_host(sampled),
+            logprobs=None if logprobs is None else tuple(map(_to_host, logprobs)),
+            prompt_logprobs={rid: (start, *map(_to_host, arrays)) for rid, (start, *arrays) in prompt_logprobs.items()},
+        )
+        if self.device.type == "cuda":
+            pending.ready = torch.cuda.Event()
+            pending.ready.record()
+        return pending
 
-    def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+    def collect(self, pending: PendingOutput) -> ModelRunnerOutput:
+        """Wait for a queued step's outputs: the step's one host sync."""
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        sampled = pending.sampled.tolist()
+        if self.processors or self.states.sampling.history:
+            self._record(pending, sampled)
+        logprobs = None
+        if pending.logprobs is not None:
+            logprobs = SampledLogprobs.unpack(*(t.numpy() for t in pending.logprobs))
+        prompt_logprobs = {rid: PromptLogprobs(start, ids.numpy(), scores.numpy(), ranks.numpy())
+                           for rid, (start, ids, scores, ranks) in pending.prompt_logprobs.items()}
+        return ModelRunnerOutput(pending.req_ids, sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> dict[str, tuple]:
         """Scores of the prompt tokens this step's chunks predict, for requests
         with prompt_logprobs, from the raw logits: each prompt token, then the
-        top-k or the request's logprob_token_ids."""
+        top-k or the request's logprob_token_ids. Request id -> (start,
+        token ids, scores, ranks) on the device."""
         st = self.states.sampling
         slots = batch.idx_mapping_np
         rows = np.nonzero(st.prompt_logprobs.np[slots] >= 0)[0]
@@ -218,33 +264,39 @@ class ModelRunner:
                 chosen = logits.topk(int(st.prompt_logprobs.np[slot]), dim=-1).indices
             ids = torch.cat([targets[:, None], chosen], dim=1)
             act = st.act.gpu[slot].expand(len(ids))
-            result[batch.req_ids[r]] = PromptLogprobs(
-                start=start,
-                token_ids=ids.cpu().numpy(),
-                scores=dispatch.compute_scores(logits, ids, act).cpu().numpy(),
-                ranks=dispatch.token_ranks(logits, targets).cpu().numpy(),
-            )
+            result[batch.req_ids[r]] = (start, ids, dispatch.compute_scores(logits, ids, act),
+                                        dispatch.token_ranks(logits, targets))
         return result
 
-    def _advance(self, batch, sampled: torch.Tensor, sampled_host: list[int]) -> None:
+    def _advance(self, batch, sampled: torch.Tensor) -> None:
         """Move each slot past this step on the device and the host: computed
         counts grow by the scheduled tokens, and rows that computed their
-        last known token append the sampled one (the next step reads it from
-        the device, not from the host)."""
+        last known token append the sampled one on the device (the next step
+        reads it there); the host counts it before knowing its value."""
         states = self.states
         slots = batch.idx_mapping_np
         states.num_computed.np[slots] = batch.seq_lens_np
         states.num_computed.gpu[batch.idx_mapping] += batch.num_scheduled
-        rows = np.nonzero(batch.seq_lens_np == states.num_tokens[slots])[0]  # rows that produce a token
-        if rows.size:
-            pos = states.num_tokens[slots[rows]]
-            rows_t = torch.from_numpy(rows).to(self.device)
-            pos_t = torch.from_numpy(pos).to(self.device)
-            states.token_ids.gpu[batch.idx_mapping[rows_t], pos_t] = sampled[rows_t].to(torch.int32)
-            states.num_tokens[slots[rows]] += 1
-            tokens = [sampled_host[r] for r in rows.tolist()]
-            states.sampling.append(slots[rows], tokens)
-            if self.processors:
-                for slot, token in zip(slots[rows].tolist(), tokens):
-                    for proc in self.processors:
-                        proc.record(slot, token)
+        if batch.sample_rows_np.size:
+            rows = batch.sample_rows
+            states.token_ids.gpu[batch.idx_mapping[rows], batch.attn.seq_lens[rows].long()] = sampled[rows].int()
+            states.num_tokens[slots[batch.sample_rows_np]] += 1
+
+    def _record(self, pending: PendingOutput, sampled: list[int]) -> None:
+        """Hand sampled tokens to what keeps host-side histories (bad words,
+        custom logits processors), for slots still held by the same request."""
+        states = self.states
+        for r in pending.sample_rows.tolist():
+            slot = int(pending.slots[r])
+            if states.req_to_slot.get(pending.req_ids[r]) != slot:
+                continue  # left (finished, aborted, preempted) since the step was queued
+            token = sampled[r]
+            states.sampling.append(slot, token)
+            for proc in self.processors:
+                proc.record(slot, token)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Queue a copy to pinned host memory (torch pins the destination of a
+    non-blocking device-to-host copy); valid once the step's event has passed."""
+    return t.to("cpu", non_blocking=True)

@@ -21,7 +21,7 @@ import torch
 
 from headrace.executor.input_batch import InputBatch
 from headrace.executor.sampling_state import SamplingState
-from headrace.executor.states import RequestStates
+from headrace.executor.states import RequestStates, upload
 from headrace.kernels import dispatch
 from headrace.kernels.logprobs import ACT_LOG_SOFTMAX
 
@@ -34,6 +34,11 @@ class SampledLogprobs:
     scores: np.ndarray  # [num_rows, k] float32, after act_func
     sampled_ranks: np.ndarray  # [num_rows] int64, 1 = most likely
     sampled_logprobs: np.ndarray  # [num_rows] float32, log_softmax of the sampled token (cumulative_logprob)
+
+    @classmethod
+    def unpack(cls, ints: np.ndarray, floats: np.ndarray) -> SampledLogprobs:
+        """From the two arrays _logprobs packs: ids then rank, scores then the sampled logprob."""
+        return cls(ints[:, :-1], floats[:, :-1], ints[:, -1], floats[:, -1])
 
 
 @dataclass
@@ -49,12 +54,15 @@ def sample(
     batch: InputBatch,
     states: RequestStates,
     processors=(),
-) -> tuple[torch.Tensor, SampledLogprobs | None]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The sampled token per row, and the logprobs packed in two device
+    tensors for one host copy each (see SampledLogprobs.unpack). Nothing
+    here waits for the device."""
     st = states.sampling
     slots = batch.idx_mapping_np
     idx = batch.idx_mapping
-    num_tokens = states.num_tokens[slots]  # [num_rows] known tokens: prompt + outputs
-    positions = torch.from_numpy(batch.seq_lens_np).to(logits.device)  # where the sampled token goes
+    num_tokens = states.num_tokens[slots]  # [num_rows] tokens: prompt + outputs, sampled ones included
+    positions = batch.attn.seq_lens.long()  # where the sampled token goes
     processed = _process(logits, slots, idx, st, states.token_ids.gpu, num_tokens, processors)
     greedy_ids = processed.argmax(dim=-1)
     final = processed
@@ -87,16 +95,16 @@ def _process(logits, slots, idx, st: SamplingState, token_ids, num_tokens, proce
     if bad_rows:
         rows, toks = _banned_by_bad_words(bad_rows, slots, st)
         if rows:
-            x[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = float("-inf")
+            x[upload(np.array(rows, dtype=np.int64), dev), upload(np.array(toks, dtype=np.int64), dev)] = float("-inf")
     if min_rows.size:
         _mask_ids(x, min_rows, st.stop_ids.gpu, st.num_stop_ids.gpu, idx)
     if bias_rows.size:
-        rows = torch.from_numpy(bias_rows).to(dev)
+        rows = upload(bias_rows, dev)
         sub = x[rows]
         dispatch.apply_logit_bias(sub, idx[rows], st.bias_ids.gpu, st.bias_values.gpu, st.num_bias.gpu)
         x[rows] = sub
     if pen_rows.size:
-        rows = torch.from_numpy(pen_rows).to(dev)
+        rows = upload(pen_rows, dev)
         sub = x[rows]
         counts, prompt_mask = _token_counts(token_ids, pen_rows, slots, st, num_tokens, x.shape[1])
         ar = torch.arange(len(pen_rows), device=dev)
@@ -111,12 +119,15 @@ def _process(logits, slots, idx, st: SamplingState, token_ids, num_tokens, proce
 
 
 def _mask_ids(x, rows_np, ids, counts, idx) -> None:
-    """For the given rows, ban each of the slot's listed ids."""
-    rows = torch.from_numpy(rows_np).to(x.device)
+    """For the given rows, ban each of the slot's listed ids (no boolean
+    indexing: its nonzero() would wait for the device)."""
+    rows = upload(rows_np, x.device)
     slot_rows = idx[rows]
     row_ids = ids[slot_rows]  # [n, max]
     valid = torch.arange(row_ids.shape[1], device=x.device)[None, :] < counts[slot_rows][:, None]
-    x[rows[:, None].expand_as(row_ids)[valid], row_ids[valid]] = float("-inf")
+    hits = torch.zeros(len(rows_np), x.shape[1], dtype=torch.int32, device=x.device)
+    hits.scatter_add_(1, row_ids.clamp(min=0), valid.int())  # [n, vocab] listed ids
+    x[rows] = x[rows].masked_fill(hits > 0, float("-inf"))
 
 
 def _banned_by_bad_words(bad_rows, slots, st: SamplingState):
@@ -136,8 +147,8 @@ def _banned_by_bad_words(bad_rows, slots, st: SamplingState):
 def _token_counts(token_ids, rows_np, slots, st: SamplingState, num_tokens, vocab):
     """Per given row: occurrences of each token among its outputs, and which occur in its prompt."""
     dev = token_ids.device
-    slot_t = torch.from_numpy(slots[rows_np]).to(dev)
-    n_tok = torch.from_numpy(num_tokens[rows_np]).to(dev)
+    slot_t = upload(slots[rows_np], dev)
+    n_tok = upload(num_tokens[rows_np], dev)
     n_prompt = st.num_prompt.gpu[slot_t].long()
     length = int(num_tokens[rows_np].max())
     tokens = token_ids[slot_t, :length].long()  # [n, length]
@@ -176,7 +187,7 @@ def _apply_filters(scaled: torch.Tensor, slots, idx, st: SamplingState) -> torch
     return scaled
 
 
-def _logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> SampledLogprobs:
+def _logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob columns without a [rows, vocab] logprob tensor: a log-sum-exp
     per row, then gathers."""
     dev = raw.device
@@ -198,8 +209,8 @@ def _logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> SampledLogp
         ids[:, 1 : 1 + max_n] = source.topk(max_n, dim=-1).indices  # rows with fewer use a prefix
     if max_ids:  # the slow path: some rows ask for chosen ids
         filled, _ = dispatch.fill_token_ids(idx, st.lp_ids.gpu, st.num_lp_ids.gpu, sampled)
-        id_rows = torch.from_numpy(num_ids > 0).to(dev)
-        ids[id_rows, 1 : 1 + max_ids] = filled[id_rows, 1 : 1 + max_ids]
+        id_rows = upload(num_ids > 0, dev)
+        ids[:, 1 : 1 + max_ids] = torch.where(id_rows[:, None], filled[:, 1 : 1 + max_ids], ids[:, 1 : 1 + max_ids])
     scores = dispatch.compute_scores(source, ids, st.act.gpu[idx])
     if (st.act.np[slots] == ACT_LOG_SOFTMAX).all():
         sampled_lp = scores[:, 0]  # column 0 is the sampled token, already log_softmax
@@ -207,7 +218,5 @@ def _logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> SampledLogp
         zeros = torch.full((len(slots),), ACT_LOG_SOFTMAX, dtype=torch.int32, device=dev)
         sampled_lp = dispatch.compute_scores(source, sampled[:, None], zeros)[:, 0]
     ranks = dispatch.token_ranks(source, sampled)
-    # Two device-to-host copies for the lot.
-    ints = torch.cat([ids, ranks[:, None]], dim=1).cpu().numpy()
-    floats = torch.cat([scores, sampled_lp[:, None]], dim=1).cpu().numpy()
-    return SampledLogprobs(ints[:, :-1], floats[:, :-1], ints[:, -1], floats[:, -1])
+    # Two device-to-host copies for the lot, made by the caller.
+    return torch.cat([ids, ranks[:, None]], dim=1), torch.cat([scores, sampled_lp[:, None]], dim=1)

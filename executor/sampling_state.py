@@ -101,14 +101,11 @@ class SamplingState:
         self.bad_words.pop(slot, None)
         self.history.pop(slot, None)
 
-    def append(self, slots: np.ndarray, tokens: list[int]) -> None:
-        """Record sampled tokens in the histories that bad words are checked against."""
-        if not self.history:
-            return
-        for slot, token in zip(slots.tolist(), tokens):
-            history = self.history.get(slot)
-            if history is not None:
-                history.append(token)
+    def append(self, slot: int, token: int) -> None:
+        """Record a sampled token in the history that bad words are checked against."""
+        history = self.history.get(slot)
+        if history is not None:
+            history.append(token)
 
     def apply_staged(self) -> None:
         for tensor in self.staged:

@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from headrace.executor.sampling_state import SamplingState
 
 
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without stalling the host: staged through
+    pinned memory (torch's caching host allocator keeps the buffer until the
+    copy has run), so the copy is queued like a kernel."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class StagedTensor:
     """A device tensor [num_slots, *row] whose writes are staged on the host.
 
@@ -46,8 +56,8 @@ class StagedTensor:
     def apply(self) -> None:
         if not self._index:
             return
-        index = torch.from_numpy(np.concatenate(self._index)).to(self.gpu.device, non_blocking=True)
-        values = torch.from_numpy(np.concatenate(self._values)).to(self.gpu.device, non_blocking=True)
+        index = upload(np.concatenate(self._index), self.gpu.device)
+        values = upload(np.concatenate(self._values), self.gpu.device)
         self.gpu.view(-1)[index] = values
         self._index.clear()
         self._values.clear()

@@ -1,6 +1,8 @@
 """The sampler's filters against transformers' logits warpers, and its edge cases."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,11 @@ class _Batch:
     def __init__(self, slots, seq_lens):
         self.idx_mapping_np = np.asarray(slots, dtype=np.int64)
         self.idx_mapping = torch.from_numpy(self.idx_mapping_np)
+        self.set_seq_lens(seq_lens)
+
+    def set_seq_lens(self, seq_lens):
         self.seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
+        self.attn = SimpleNamespace(seq_lens=torch.from_numpy(self.seq_lens_np.astype(np.int32)))
 
 
 def make_states(params: list[SamplingParams], seeds=None, vocab=300) -> tuple[RequestStates, _Batch]:
@@ -80,7 +86,7 @@ def test_sample_respects_filters_and_greedy_rows():
               SamplingParams(temperature=5.0, top_p=0.3), SamplingParams(temperature=0)]
     for seed in range(30):
         states, batch = make_states(params, seeds=[seed] * 4, vocab=200)
-        batch.seq_lens_np = np.full(4, seed)
+        batch.set_seq_lens(np.full(4, seed))
         tokens, lps = sample(logits, batch, states)
         assert lps is None
         assert tokens[0] == logits[0].argmax() and tokens[3] == logits[3].argmax()

@@ -7,11 +7,16 @@ pool (block id -> token per offset) and, before each step, checks that every
 position the request reads holds the right token. So a wrong block table, a
 stale prefix-cache hit or an overwritten shared block shows up as wrong
 "KV contents", the way it would corrupt a real model's attention.
+
+Like the real one, the fake executor appends each sampled token to its own
+copy of the request's tokens at once, so with overlap (the Driver schedules
+step N+1 before it hands step N's tokens to the scheduler) it runs ahead of
+the scheduler's known tokens by the pending ones.
 """
 from __future__ import annotations
 
 import random
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 
 import pytest
 
@@ -68,8 +73,10 @@ class FakeExecutor:
         for row, (rid, n) in enumerate(out.num_scheduled_tokens.items()):
             st = self.slots[rid]
             tokens, blocks, computed = st["tokens"], st["blocks"], st["computed"]
-            assert tokens == self.sched.requests[rid].all_token_ids
-            assert blocks == self.sched.requests[rid].block_ids
+            req = self.sched.requests[rid]
+            assert tokens[: req.num_tokens] == req.all_token_ids  # then the pending samples
+            assert len(tokens) + (computed + n == len(tokens)) == req.num_expected
+            assert blocks == req.block_ids
             assert 0 < n and computed + n <= len(tokens)
             for p in range(computed):  # the KV this step attends to
                 assert self.kv[blocks[p // self.bs]][p % self.bs] == tokens[p], f"{rid}: stale KV at {p}"
@@ -93,7 +100,7 @@ def check_pool(sched: Scheduler) -> None:
     assert len(sched.requests) == len(sched.waiting) + len(sched.running)
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert r.block_ids == [] and r.num_computed_tokens == 0
+        assert r.block_ids == [] and r.num_computed_tokens == 0 and r.num_pending == 0
     holders = Counter()
     owners = defaultdict(list)  # block -> (request, index in its block table)
     for r in sched.running:
@@ -112,7 +119,7 @@ def check_pool(sched: Scheduler) -> None:
     assert {b: h for h, b in pool.cached.items()} == {b: h for b, h in enumerate(pool.block_hashes) if h is not None}
     for r in sched.running:
         parent = b""
-        for i, b in enumerate(r.block_ids[: r.num_computed_tokens // bs]):
+        for i, b in enumerate(r.block_ids[: min(r.num_computed_tokens, r.num_tokens) // bs]):
             parent = hash_block(parent, r.all_token_ids[i * bs : (i + 1) * bs])
             assert pool.block_hashes[b] in (None, parent), "a cached block is named by another prefix"
     for b, held in owners.items():
@@ -125,8 +132,18 @@ def check_pool(sched: Scheduler) -> None:
                 assert r.num_computed_tokens >= (i + 1) * bs
 
 
-def check_schedule(sched: Scheduler, out, before: list[str]) -> None:
-    """Budget, batch order, running-first and block coverage of one SchedulerOutput."""
+def finishes_with_pending(sched: Scheduler, req: Request) -> bool:
+    """Whether the tokens queued steps sample for req will end it by length."""
+    max_tokens = req.sampling_params.max_tokens
+    return req.num_pending > 0 and (
+        (max_tokens is not None and len(req.output_token_ids) + req.num_pending >= max_tokens)
+        or req.num_tokens + req.num_pending >= sched.config.max_model_len
+    )
+
+
+def check_schedule(sched: Scheduler, out, before: list[str], skipped: set[str] = frozenset()) -> None:
+    """Budget, batch order, running-first and block coverage of one SchedulerOutput;
+    `skipped`: running requests that their pending tokens will finish."""
     cfg, bs = sched.config, sched.kv.block_size
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
@@ -135,9 +152,10 @@ def check_schedule(sched: Scheduler, out, before: list[str]) -> None:
     new_ids = [n.req_id for n in out.new_reqs]
     assert list(out.num_scheduled_tokens) == cached_ids + new_ids  # batch order: running, then new
     # Running requests are served oldest first, before any waiting one.
-    assert cached_ids == before[: len(cached_ids)]
+    eligible = [rid for rid in before if rid not in skipped]
+    assert cached_ids == eligible[: len(cached_ids)]
     if new_ids:
-        assert cached_ids == before and out.num_preempted == 0
+        assert cached_ids == eligible and out.num_preempted == 0
     # Preemption takes the newest running requests and puts them back in front, in order.
     k = out.num_preempted
     if k:
@@ -151,11 +169,16 @@ def check_schedule(sched: Scheduler, out, before: list[str]) -> None:
     for new in out.new_reqs:
         r = sched.requests[new.req_id]
         assert new.token_ids == r.all_token_ids and new.block_ids == r.block_ids
-        assert new.num_computed_tokens == r.num_computed_tokens
-    # Blocks cover exactly what is computed plus what this step computes.
+        assert new.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_computed_tokens
+    # The step's tokens count as computed at once; blocks cover exactly them,
+    # and a row samples exactly when it reaches the request's expected tokens.
     for r in sched.running:
-        n = out.num_scheduled_tokens.get(r.request_id, 0)
-        assert len(r.block_ids) == ceil_div(r.num_computed_tokens + n, bs)
+        assert len(r.block_ids) == ceil_div(r.num_computed_tokens, bs)
+        assert r.num_computed_tokens < r.num_expected  # one token (sampled or known) is always left
+        assert r.num_pending == 0 or r.num_computed_tokens == r.num_expected - 1
+    for req, samples in zip(out.reqs, out.samples):
+        assert samples == (req.num_pending > 0)  # a scheduled request with a pending token computes it
+    assert [r.request_id for r in out.reqs] == list(out.num_scheduled_tokens)
     check_pool(sched)
 
 
@@ -164,16 +187,22 @@ class Driver:
 
     release_eagerly: like EngineCore, hand the executor take_left() right
     after each update and abort, instead of waiting for the next schedule().
+    overlap: like EngineCore, schedule and execute step N+1 before step N's
+    tokens reach the scheduler.
     """
 
     def __init__(self, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, block_size=4,
-                 num_blocks=64, prefix_caching=True, choose=default_token, release_eagerly=False) -> None:
+                 num_blocks=64, prefix_caching=True, choose=default_token, release_eagerly=False,
+                 overlap=False) -> None:
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
             CacheConfig(block_size, num_blocks, prefix_caching),
         )
         self.executor = FakeExecutor(self.sched, choose)
         self.release_eagerly = release_eagerly
+        self.overlap = overlap
+        self.in_flight: deque = deque()  # (SchedulerOutput, sampled tokens) not yet given to update()
+        self.num_rows = defaultdict(int)  # request id -> batch rows it took
         self.outputs: dict[str, list[int]] = defaultdict(list)  # request id -> tokens from updates
         self.finished: dict[str, tuple[str, int | None]] = {}  # request id -> finish and stop reason
         self.steps = 0
@@ -191,12 +220,30 @@ class Driver:
         return aborted
 
     def step(self):
+        """One step; returns its SchedulerOutput and the updates handed over in it
+        (with overlap, those of the step before)."""
         before = [r.request_id for r in self.sched.running]
+        skipped = {r.request_id for r in self.sched.running if finishes_with_pending(self.sched, r)}
         out = self.sched.schedule()
-        check_schedule(self.sched, out, before)
+        check_schedule(self.sched, out, before, skipped)
         self.admitted_tokens += sum(len(new.token_ids) for new in out.new_reqs)
         self.admitted_hits += sum(new.num_computed_tokens for new in out.new_reqs)
-        updates = self.sched.update(out, self.executor.execute(out))
+        for rid in out.num_scheduled_tokens:
+            self.num_rows[rid] += 1
+        if out.num_scheduled_tokens:
+            self.in_flight.append((out, self.executor.execute(out)))
+        else:
+            self.executor.remove(out.finished_req_ids)
+        keep = 1 if self.overlap and out.num_scheduled_tokens else 0
+        updates = []
+        while len(self.in_flight) > keep:
+            updates += self._update(*self.in_flight.popleft())
+        check_pool(self.sched)
+        self.steps += 1
+        return out, updates
+
+    def _update(self, out, sampled):
+        updates = self.sched.update(out, sampled)
         for u in updates:
             rid = u.req.request_id
             assert list(out.num_scheduled_tokens)[u.row] == rid
@@ -207,16 +254,14 @@ class Driver:
                 self.finished[rid] = (u.finish_reason, u.stop_reason)
         if self.release_eagerly:
             self.executor.remove(self.sched.take_left())
-        check_pool(self.sched)
-        self.steps += 1
-        return out, updates
+        return updates
 
     def run(self, max_steps=1000) -> None:
         for _ in range(max_steps):
-            if not self.sched.num_unfinished:
+            if not self.sched.num_unfinished and not self.in_flight:
                 break
             self.step()
-        if self.sched.num_unfinished:
+        if self.sched.num_unfinished or self.in_flight:
             pytest.fail(f"not done after {max_steps} steps: {self.sched.num_unfinished} requests left")
         self.check_all_free()
 
@@ -589,11 +634,13 @@ def test_duplicate_request_id_is_rejected_until_the_first_finishes():
 
 
 @pytest.mark.parametrize(
-    "seed, prefix_caching, release_eagerly", [(0, True, False), (1, True, True), (2, False, True)]
+    "seed, prefix_caching, release_eagerly, overlap",
+    [(0, True, False, False), (1, True, True, False), (2, False, True, False), (3, True, True, True),
+     (4, False, True, True), (5, True, True, True)],
 )
-def test_random_arrivals_aborts_and_shared_prefixes_keep_invariants(seed, prefix_caching, release_eagerly):
+def test_random_arrivals_aborts_and_shared_prefixes_keep_invariants(seed, prefix_caching, release_eagerly, overlap):
     """Random arrivals, aborts, lengths and shared prefixes on a pool of 12 blocks; the Driver checks
-    every invariant after every schedule, update and abort."""
+    every invariant after every schedule, update and abort (with overlap, while a step is in flight)."""
     rng = random.Random(seed)
     bs, max_model_len = 4, 40
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 17))] for _ in range(3)]
@@ -603,7 +650,7 @@ def test_random_arrivals_aborts_and_shared_prefixes_keep_invariants(seed, prefix
 
     d = Driver(max_num_seqs=4, max_num_batched_tokens=rng.choice([8, 16, 32]), max_model_len=max_model_len,
                block_size=bs, num_blocks=12, prefix_caching=prefix_caching, choose=choose,
-               release_eagerly=release_eagerly)
+               release_eagerly=release_eagerly, overlap=overlap)
     added, aborted, params = 0, set(), {}  # request id -> (prompt length, max_tokens, ignore_eos)
     for _ in range(300):
         if rng.random() < 0.3:
@@ -633,3 +680,54 @@ def test_random_arrivals_aborts_and_shared_prefixes_keep_invariants(seed, prefix
     if d.sched.kv.enable_prefix_caching:
         assert d.admitted_hits > 0
         assert d.admitted_tokens == d.sched.kv.num_queries  # each admission looked up once
+
+
+# --- overlap: step N+1 scheduled before step N reports -----------------------------------------
+
+
+def test_overlap_feeds_pending_tokens_and_never_schedules_a_request_past_max_tokens():
+    d = Driver(overlap=True, block_size=4)
+    d.add(make_request("a", [1, 2, 3], max_tokens=5), make_request("b", range(1, 10), max_tokens=1))
+    out, updates = d.step()
+    assert out.num_scheduled_tokens == {"a": 3, "b": 9} and updates == []  # nothing read back yet
+    out, updates = d.step()
+    # a decodes its pending token; b's one token is pending, so b is done and not scheduled again.
+    a = d.sched.requests["a"]
+    assert out.num_scheduled_tokens == {"a": 1} and a.num_pending == 1 and len(a.output_token_ids) == 1
+    assert {u.req.request_id: u.finish_reason for u in updates} == {"a": None, "b": "length"}
+    d.run()
+    assert d.outputs["a"] == [default_token("a", p) for p in range(3, 8)] and d.num_rows["a"] == 5
+    assert d.num_rows["b"] == 1
+
+
+def test_overlap_computes_one_extra_row_after_eos_and_drops_it():
+    choose = scripted({"r": {4: EOS}})  # the second output is EOS
+    d = Driver(overlap=True, choose=choose)
+    d.add(make_request("r", [1, 2, 3], max_tokens=10))
+    d.run()
+    assert d.outputs["r"] == [100, EOS] and d.finished["r"] == ("stop", None)
+    # The step after EOS was queued before EOS was read back: one row more than the tokens.
+    assert d.num_rows["r"] == 3
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_overlap_preemption_drops_the_victims_in_flight_token_and_loses_nothing(prefix_caching):
+    d = Driver(max_num_seqs=4, block_size=4, num_blocks=6, prefix_caching=prefix_caching, overlap=True)
+    prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": [9, 10, 11, 12]}
+    d.add(*[make_request(rid, p, max_tokens=12) for rid, p in prompts.items()])
+    d.run()
+    assert d.sched.num_preemptions > 0
+    for rid, prompt in prompts.items():
+        assert d.outputs[rid] == [default_token(rid, len(prompt) + i) for i in range(12)]
+        assert d.finished[rid] == ("length", None)
+
+
+def test_overlap_abort_while_in_flight_drops_the_row():
+    d = Driver(overlap=True, release_eagerly=True)
+    d.add(make_request("a", [1, 2, 3], max_tokens=5), make_request("b", [4, 5, 6], max_tokens=5))
+    d.step()  # step 1 in flight
+    assert d.abort(["a"]) == ["a"]
+    _, updates = d.step()  # step 2 queued with b alone, step 1 read back: a's row dropped
+    assert [u.req.request_id for u in updates] == ["b"]
+    d.run()
+    assert "a" not in d.outputs and len(d.outputs["b"]) == 5
