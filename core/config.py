@@ -217,6 +217,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # no CUDA graphs (only a GPU captures any)
+    async_scheduling: bool = True  # schedule step N+1 while the device runs step N
     enable_prefix_caching: bool = True
     seed: int = 0
     logprobs_mode: str = "raw"
