@@ -15,3 +15,40 @@ def qwen3_06b_checkpoint():
                            num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072,
                            tie_word_embeddings=True, vocab_size=151936, max_position_embeddings=4096,
                            dtype=torch.bfloat16, initializer_range=0.02, rope_theta=1000000.0)
+
+
+class StepTimeline:
+    """CUDA events around each step the executor queues, to measure the time
+    the GPU sits idle between steps without adding a host sync: a step's
+    start event is reached when the GPU gets to its first operation, its end
+    event when the step's last operation (the host copies) is done. While the
+    GPU has queued work the next start follows the last end at once; a gap
+    means it waited for the host."""
+
+    def __init__(self, core) -> None:
+        import torch
+
+        self.events: list = []  # (start, end) per step
+        execute = core.executor.execute
+
+        def timed(sched):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            pending = execute(sched)
+            end.record()
+            self.events.append((start, end))
+            return pending
+
+        core.executor.execute = timed
+
+    def reset(self) -> None:
+        self.events.clear()
+
+    def idle(self) -> tuple[float, float]:
+        """(GPU idle between steps, wall from the first start to the last end), in
+        seconds; call after torch.cuda.synchronize()."""
+        if len(self.events) < 2:
+            return 0.0, 0.0
+        gaps = sum(max(0.0, end.elapsed_time(nxt)) for (_, end), (nxt, _) in zip(self.events, self.events[1:]))
+        wall = self.events[0][0].elapsed_time(self.events[-1][1])
+        return gaps / 1e3, wall / 1e3

@@ -9,6 +9,9 @@ are timed with synchronised clocks (median of --steps). The floor is the
 time to read every weight and every cached KV byte once at the measured
 device-to-device copy bandwidth, plus the step's matmul FLOPs at the
 measured bf16 matmul rate; both ceilings are measured in the same run.
+Steps are timed in a row, synchronised only at both ends, with overlapped
+scheduling and then one step at a time; the GPU's idle time between the
+overlapped steps comes from CUDA events around each queued step.
 """
 from __future__ import annotations
 
@@ -44,15 +47,45 @@ def measure_ceilings(device) -> tuple[float, float]:
     return bw, rate
 
 
+def timed_steps(core, steps: int) -> float:
+    """Seconds per step over `steps` consecutive steps, synchronised only at both ends."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def profile(core, steps: int) -> None:
+    """Where a decode step's time goes: GPU time per kernel (torch profiler,
+    CUDA activity only) and host time per function (cProfile)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed_steps(core, steps)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    prof_host = cProfile.Profile()
+    prof_host.enable()
+    timed_steps(core, steps)
+    prof_host.disable()
+    pstats.Stats(prof_host).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--contexts", default="128,1024,4096")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--profile", default=None, help="BATCHxCONTEXT: profile that point's decode steps")
     args = parser.parse_args()
 
-    from benchmarks_common import qwen3_06b_checkpoint
+    from benchmarks_common import StepTimeline, qwen3_06b_checkpoint
     from headrace.core.config import EngineArgs, ModelConfig
     from headrace.core.engine import EngineCore
     from headrace.core.sampling_params import SamplingParams
@@ -64,7 +97,9 @@ def main() -> None:
     print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16
     free, _ = torch.cuda.mem_get_info()
-    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'x floor':>7}  bound")
+    print("step ms: steady state with overlapped scheduling, and one step at a time; idle: GPU idle between")
+    print("steps with overlap, as a share of wall time")
+    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'1-by-1':>8} {'floor ms':>8} {'x floor':>7} {'idle':>7}  bound")
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             if batch * context * kv_per_token > 0.8 * free:
@@ -74,6 +109,7 @@ def main() -> None:
                                          max_model_len=context, enable_prefix_caching=False,
                                          num_kv_blocks=batch * (-(-context // 16))))
             weights = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
+            timeline = StepTimeline(core)
             rng = random.Random(0)
             # Requests whose prefill ends early decode while the others prefill:
             # leave them room (64 tokens) so that every row is still running,
@@ -86,25 +122,27 @@ def main() -> None:
                                                 for r in core.scheduler.running):
                 core.step()  # prefill
             core.step()  # first decode step: warm
+            core.step()
             assert len(core.scheduler.running) == batch, "a request finished before the timed steps"
-            # KV read per step: the cached tokens, at the middle of the timed steps
-            cached = sum(r.num_tokens for r in core.scheduler.running) + batch * args.steps // 2
-            times = []
-            for _ in range(args.steps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                core.step()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
+            # KV read per step: the cached tokens, at the middle of the overlapped steps
+            cached = sum(r.num_expected for r in core.scheduler.running) + batch * args.steps // 2
+            timeline.reset()
+            overlap = timed_steps(core, args.steps)
+            idle, wall = timeline.idle()
+            core.async_scheduling = False
+            single = timed_steps(core, args.steps)
+            core.async_scheduling = True
             assert len(core.scheduler.running) == batch
-            step = statistics.median(times)
             # one multiply-add per weight per token (bf16: 2 bytes a weight), plus q.k and p.v over the context
             flops = 2 * batch * (weights / 2) + 4 * batch * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
             kv_bytes = cached * kv_per_token
             t_bytes, t_flops = (weights + kv_bytes) / bw, flops / rate
             floor = t_bytes + t_flops
             bound = "memory" if t_bytes > t_flops else "compute"
-            print(f"{batch:>5} {context:>7} {step * 1e3:8.3f} {floor * 1e3:8.3f} {step / floor:7.1f}  {bound}")
+            print(f"{batch:>5} {context:>7} {overlap * 1e3:8.3f} {single * 1e3:8.3f} {floor * 1e3:8.3f} "
+                  f"{overlap / floor:7.2f} {100 * idle / wall:6.1f}%  {bound}")
+            if args.profile and (batch, context) == tuple(map(int, args.profile.split("x"))):
+                profile(core, args.steps)
             del core
             torch.cuda.empty_cache()
 

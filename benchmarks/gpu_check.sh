@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine (torch, triton and transformers preinstalled): install the
-# carried wheels (.whl: msgspec, pyzmq), run the CUDA tests, then the
-# benchmarks. Usage: bash benchmarks/gpu_check.sh [streaming]
+# carried wheels (.whl: msgspec, pyzmq), then run the stages named, in order:
+#   tests       the CUDA tests (engine, overlap, Triton kernels)
+#   decode      benchmarks/decode_step.py, profiling batch 256 x context 1024
+#   throughput  benchmarks/throughput.py
+#   logprobs    benchmarks/logprobs_cost.py
+#   streaming   benchmarks/streaming.py
+# Usage: bash benchmarks/gpu_check.sh tests decode throughput
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -12,10 +17,17 @@ export HEADRACE_CACHE_DIR=${HEADRACE_CACHE_DIR:-/tmp/headrace-cache}
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py tests/test_attention_kernels.py \
-  tests/test_layer_kernels.py 2>&1 | tee "$out/gpu_tests.log" | tail -5
-python3 benchmarks/decode_step.py 2>&1 | grep -v -i warn | tee "$out/decode_step.log"
-python3 benchmarks/logprobs_cost.py --qwen3-0.6b --device cuda --batch 64 2>&1 | grep -v -i warn | tee "$out/logprobs_cost.log"
-if [ "${1:-}" = streaming ]; then
-  python3 benchmarks/streaming.py --device cuda 2>&1 | grep -v -i warn | tee "$out/streaming.log"
-fi
+git log --oneline -1 2>/dev/null || true
+for stage in "$@"; do
+  echo "=== $stage ($(date -u +%H:%M:%S))"
+  case $stage in
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_overlap.py tests/test_triton_kernels.py \
+             tests/test_attention_kernels.py tests/test_layer_kernels.py 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
+    decode) python3 benchmarks/decode_step.py --profile 256x1024 2>&1 | grep -v -i warn | tee "$out/decode_step.log" ;;
+    throughput) python3 benchmarks/throughput.py 2>&1 | grep -v -i warn | tee "$out/throughput.log" ;;
+    logprobs) python3 benchmarks/logprobs_cost.py --qwen3-0.6b --device cuda --batch 64 2>&1 | grep -v -i warn \
+                | tee "$out/logprobs_cost.log" ;;
+    streaming) python3 benchmarks/streaming.py --device cuda 2>&1 | grep -v -i warn | tee "$out/streaming.log" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done

@@ -11,7 +11,9 @@ The floor comes from the schedule the engine actually ran: every step
 reads all weights once and each scheduled request's cached KV, at the
 device-to-device copy bandwidth measured in this run, plus the step's
 matmul FLOPs (two per weight per token) at the measured bf16 matmul rate.
-The peer is transformers' generate_batch on the first --peer-requests
+The run is made with overlapped scheduling and again one step at a time,
+with the GPU's idle time between steps from CUDA events around each queued
+step. The peer is transformers' generate_batch on the first --peer-requests
 requests (all with the same max_new_tokens, which generate_batch needs),
 run by both engines.
 """
@@ -23,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks_common import qwen3_06b_checkpoint
+from benchmarks_common import StepTimeline, qwen3_06b_checkpoint
 from decode_step import measure_ceilings
 from headrace.core.config import EngineArgs, ModelConfig
 from headrace.core.engine import EngineCore
@@ -53,6 +55,7 @@ class ScheduleRecorder:
             return execute(sched)
 
         core.executor.execute = recording
+        self.detach = lambda: setattr(core.executor, "execute", execute)
 
 
 def run_ours(core: EngineCore, prompts, max_tokens) -> tuple[float, int]:
@@ -95,13 +98,21 @@ def main() -> None:
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     prompts, max_tokens = workload(args.num_requests)
     run_ours(core, prompts[:4], [8] * 4)  # warm-up
-    rec = ScheduleRecorder(core)
-    elapsed, out_tokens = run_ours(core, prompts, max_tokens)
-    floor = rec.steps * weights / bw + rec.kv_tokens * kv_per_token / bw + 2 * (weights / 2) * rec.tokens / rate
     print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
-    print(f"headrace: {out_tokens} output tokens in {elapsed:.2f} s = {out_tokens / elapsed:.0f} tok/s; "
-          f"{rec.steps} steps; floor {floor:.2f} s = {out_tokens / floor:.0f} tok/s; "
-          f"time / floor = {elapsed / floor:.2f}")
+    timeline = StepTimeline(core)
+    for overlap in (True, False):
+        core.async_scheduling = overlap
+        rec = ScheduleRecorder(core)
+        timeline.reset()
+        elapsed, out_tokens = run_ours(core, prompts, max_tokens)
+        idle, wall = timeline.idle()
+        rec.detach()
+        floor = rec.steps * weights / bw + rec.kv_tokens * kv_per_token / bw + 2 * (weights / 2) * rec.tokens / rate
+        print(f"headrace ({'overlapped' if overlap else 'one step at a time'}): {out_tokens} output tokens in "
+              f"{elapsed:.2f} s = {out_tokens / elapsed:.0f} tok/s; {rec.steps} steps; floor {floor:.2f} s = "
+              f"{out_tokens / floor:.0f} tok/s; time / floor = {elapsed / floor:.2f}; "
+              f"GPU idle between steps {100 * idle / wall:.1f}% of {wall:.2f} s")
+    core.async_scheduling = True
     sub = prompts[: args.peer_requests]
     ours_t, ours_n = run_ours(core, sub, [args.peer_max_tokens] * len(sub))
     try:

@@ -38,7 +38,7 @@ class EngineCore:
         # Steps queued on the device whose outputs are not read yet, oldest
         # first: (what was scheduled, the executor's handle).
         self._in_flight: deque = deque()
-        self._always_sync = not args.async_scheduling or bool(self.executor.processors)
+        self.async_scheduling = args.async_scheduling  # read every step
 
     @property
     def has_unfinished(self) -> bool:
@@ -150,7 +150,7 @@ class EngineCore:
         N+1 while the host processes N's outputs. Steps that need the previous
         tokens on the host (bad words, custom logits processors) run one at a
         time instead, as does every step with async_scheduling=False."""
-        sync = self._always_sync or bool(self.scheduler.host_token_ids)
+        sync = not self.async_scheduling or bool(self.executor.processors) or bool(self.scheduler.host_token_ids)
         outputs = self._read_back(keep=0) if sync else []
         sched = self.scheduler.schedule()
         if sched.num_scheduled_tokens:
