@@ -52,3 +52,26 @@ class StepTimeline:
         gaps = sum(max(0.0, end.elapsed_time(nxt)) for (_, end), (nxt, _) in zip(self.events, self.events[1:]))
         wall = self.events[0][0].elapsed_time(self.events[-1][1])
         return gaps / 1e3, wall / 1e3
+
+
+def gpu_busy(prof) -> tuple[float, float]:
+    """(seconds some kernel or copy ran, seconds from the first one's start to
+    the last one's end) in what a torch profiler recorded with CUDA activity:
+    1 - busy / wall is the share of time the GPU sat idle, between steps or
+    within them."""
+    import torch
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return 0.0, 0.0
+    busy, (lo, hi) = 0.0, spans[0]
+    first = lo
+    for start, end in spans[1:]:
+        if start > hi:
+            busy += hi - lo
+            lo, hi = start, end
+        else:
+            hi = max(hi, end)
+    busy += hi - lo
+    return busy / 1e6, (hi - first) / 1e6

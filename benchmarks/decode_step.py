@@ -63,12 +63,16 @@ def profile(core, steps: int) -> None:
     import cProfile
     import pstats
 
+    from benchmarks_common import gpu_busy
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         timed_steps(core, steps)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    busy, wall = gpu_busy(prof)
+    print(f"GPU busy {busy / steps * 1e3:.3f} ms a step, idle {100 * (1 - busy / wall):.1f}% of the profiled wall time")
     prof_host = cProfile.Profile()
     prof_host.enable()
     timed_steps(core, steps)
@@ -82,7 +86,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--contexts", default="128,1024,4096")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--profile", default=None, help="BATCHxCONTEXT: profile that point's decode steps")
+    parser.add_argument("--profile", default="", help="BATCHxCONTEXT[,...]: profile those points' decode steps")
     args = parser.parse_args()
 
     from benchmarks_common import StepTimeline, qwen3_06b_checkpoint
@@ -141,7 +145,7 @@ def main() -> None:
             bound = "memory" if t_bytes > t_flops else "compute"
             print(f"{batch:>5} {context:>7} {overlap * 1e3:8.3f} {single * 1e3:8.3f} {floor * 1e3:8.3f} "
                   f"{overlap / floor:7.2f} {100 * idle / wall:6.1f}%  {bound}")
-            if args.profile and (batch, context) == tuple(map(int, args.profile.split("x"))):
+            if f"{batch}x{context}" in args.profile.split(","):
                 profile(core, args.steps)
             del core
             torch.cuda.empty_cache()

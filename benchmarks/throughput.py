@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks_common import StepTimeline, qwen3_06b_checkpoint
+from benchmarks_common import StepTimeline, gpu_busy, qwen3_06b_checkpoint
 from decode_step import measure_ceilings
 from headrace.core.config import EngineArgs, ModelConfig
 from headrace.core.engine import EngineCore
@@ -58,16 +58,29 @@ class ScheduleRecorder:
         self.detach = lambda: setattr(core.executor, "execute", execute)
 
 
-def run_ours(core: EngineCore, prompts, max_tokens) -> tuple[float, int]:
+def run_ours(core: EngineCore, prompts, max_tokens, windows=()):
+    """(seconds, output tokens, [(busy, wall) GPU seconds per profiled window]):
+    windows are (first step, number of steps) to run under the torch profiler."""
     t0 = time.perf_counter()
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         core.add_request(f"{time.monotonic_ns()}-{i}", p, SamplingParams(temperature=0.6, max_tokens=m,
                                                                           ignore_eos=True), time.time())
-    out = 0
+    starts, stops = dict(windows), {first + n: first for first, n in windows}
+    out = step = 0
+    prof, busy = None, []
     while core.has_unfinished:
+        if step in starts:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.start()
         out += sum(len(o.new_token_ids) // 4 for o in core.step())
+        step += 1
+        if prof is not None and step in stops:
+            torch.cuda.synchronize()
+            prof.stop()
+            busy.append(gpu_busy(prof))
+            prof = None
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, out, busy
 
 
 def run_peer(model_dir: str, prompts, max_new_tokens: int) -> tuple[float, int]:
@@ -93,18 +106,21 @@ def main() -> None:
     model = args.model or str(qwen3_06b_checkpoint())
     cfg = ModelConfig.from_dir(model)
     bw, rate = measure_ceilings(torch.device("cuda"))
-    core = EngineCore(EngineArgs(model=model, device="cuda", max_model_len=4096, max_num_seqs=256))
+    # No prefix caching: the prompts share nothing, and repeated runs of the
+    # same prompts must compute them again, as the peer does.
+    core = EngineCore(EngineArgs(model=model, device="cuda", max_model_len=4096, max_num_seqs=256,
+                                 enable_prefix_caching=False))
     weights = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     prompts, max_tokens = workload(args.num_requests)
-    run_ours(core, prompts[:4], [8] * 4)  # warm-up
+    run_ours(core, prompts, [2] * len(prompts))  # warm-up: compiles the kernels for every prefill shape
     print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     timeline = StepTimeline(core)
     for overlap in (True, False):
         core.async_scheduling = overlap
         rec = ScheduleRecorder(core)
         timeline.reset()
-        elapsed, out_tokens = run_ours(core, prompts, max_tokens)
+        elapsed, out_tokens, _ = run_ours(core, prompts, max_tokens)
         idle, wall = timeline.idle()
         rec.detach()
         floor = rec.steps * weights / bw + rec.kv_tokens * kv_per_token / bw + 2 * (weights / 2) * rec.tokens / rate
@@ -113,8 +129,15 @@ def main() -> None:
               f"{out_tokens / floor:.0f} tok/s; time / floor = {elapsed / floor:.2f}; "
               f"GPU idle between steps {100 * idle / wall:.1f}% of {wall:.2f} s")
     core.async_scheduling = True
+    # A profiled rerun (the profiler slows the host): a window with every request
+    # decoding, and one in the tail where few are left.
+    windows = [(100, 50), (rec.steps - 150, 50)]
+    _, _, busy = run_ours(core, prompts, max_tokens, windows=windows)
+    for (first, n), (gpu, wall) in zip(windows, busy):
+        print(f"  overlapped, steps {first}-{first + n - 1} under the profiler: GPU idle {100 * (1 - gpu / wall):.1f}% "
+              f"of {wall:.3f} s (between and within steps)")
     sub = prompts[: args.peer_requests]
-    ours_t, ours_n = run_ours(core, sub, [args.peer_max_tokens] * len(sub))
+    ours_t, ours_n, _ = run_ours(core, sub, [args.peer_max_tokens] * len(sub))
     try:
         peer_t, peer_n = run_peer(model, sub, args.peer_max_tokens)
     except Exception as e:  # the peer's own failure is reported, not hidden

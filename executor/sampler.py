@@ -64,18 +64,33 @@ def sample(
     num_tokens = states.num_tokens[slots]  # [num_rows] tokens: prompt + outputs, sampled ones included
     positions = batch.attn.seq_lens.long()  # where the sampled token goes
     processed = _process(logits, slots, idx, st, states.token_ids.gpu, num_tokens, processors)
-    greedy_ids = processed.argmax(dim=-1)
-    final = processed
-    if (st.temperature.np[slots] == 0).all():
-        sampled = greedy_ids
+    temps = st.temperature.np[slots]
+    wants_logprobs = st.num_logprobs.np[slots] >= 0
+    if (temps == 0).all():
+        sampled = processed.argmax(dim=-1)
+        final = processed
     else:
         temp = st.temperature.gpu[idx]
         greedy = temp == 0
-        final = _apply_filters(processed / torch.where(greedy, 1.0, temp)[:, None], slots, idx, st)
-        sampled = torch.where(greedy, greedy_ids, dispatch.gumbel_sample(final, st.seed.gpu[idx], positions))
-    if (st.num_logprobs.np[slots] < 0).all():
+        scale = torch.where(greedy, 1.0, temp)  # [num_rows] greedy rows keep their logits
+        seeds = st.seed.gpu[idx]
+        final = None  # the scaled, filtered logits: made only when something reads them
+        if _has_filters(slots, st):
+            final = _apply_filters(processed / scale[:, None], slots, idx, st)
+            sampled = dispatch.gumbel_sample(final, seeds, positions)
+        else:  # the kernel scales by the temperature as it reads the logits
+            sampled = dispatch.gumbel_sample(processed, seeds, positions, scale)
+            if wants_logprobs.any() and st.processed.np[slots].any():  # read by _logprobs
+                final = processed / scale[:, None]
+        if (temps == 0).any():
+            sampled = torch.where(greedy, processed.argmax(dim=-1), sampled)
+    if not wants_logprobs.any():
         return sampled, None
     return sampled, _logprobs(logits, final, sampled, slots, idx, st)
+
+
+def _has_filters(slots, st: SamplingState) -> bool:
+    return bool((st.top_k.np[slots] > 0).any() or (st.top_p.np[slots] < 1.0).any() or (st.min_p.np[slots] > 0).any())
 
 
 def _process(logits, slots, idx, st: SamplingState, token_ids, num_tokens, processors) -> torch.Tensor:

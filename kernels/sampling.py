@@ -41,11 +41,14 @@ def gumbel_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) ->
 
 
 def gumbel_sample_ref(
-    logits: torch.Tensor,  # [num_rows, vocab] float32: temperature-scaled, filtered (-inf = banned)
+    logits: torch.Tensor,  # [num_rows, vocab] float32: filtered (-inf = banned)
     seeds: torch.Tensor,  # [num_rows] int64
     positions: torch.Tensor,  # [num_rows] int64
+    temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled
 ) -> torch.Tensor:  # [num_rows] int64
-    """Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits)."""
+    """Gumbel-max: argmax(logits / temperature + Gumbel noise) is a sample of softmax(logits / temperature)."""
+    if temperature is not None:
+        logits = logits / temperature[:, None]
     return (logits + gumbel_ref(seeds, positions, logits.shape[-1])).argmax(dim=-1)
 
 
@@ -113,24 +116,34 @@ def uniform(
 @triton.jit
 def _gumbel_sample_kernel(
     logits_ptr, logits_stride,
-    seeds_ptr, positions_ptr,
-    out_ptr,
-    vocab_size,
-    BLOCK: tl.constexpr,
+    seeds_ptr, positions_ptr, temperature_ptr,
+    part_val_ptr, part_idx_ptr,  # [num_rows, num_chunks]: each chunk's best value and its token
+    vocab_size, chunk_size, num_chunks,
+    HAS_TEMPERATURE: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """One program per (row, chunk of the vocabulary), so that small batches
+    still fill the GPU; the launcher picks the first chunk with the largest value."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     key = _row_key(seeds_ptr, positions_ptr, row)
+    if HAS_TEMPERATURE:
+        temperature = tl.load(temperature_ptr + row)
     offs = tl.arange(0, BLOCK)
+    lo = chunk * chunk_size
+    hi = tl.minimum(lo + chunk_size, vocab_size)
     # Per-lane running argmax: a lane keeps its earlier (smaller) index on a
     # tie, and the final reduction takes the smallest index among the lanes
     # that reach the maximum, so ties resolve to the first maximal index, as
-    # torch.argmax does. A row of only -inf samples token 0, as torch.argmax.
+    # torch.argmax does. A chunk of only -inf yields its first token, so a
+    # row of only -inf samples token 0, as torch.argmax.
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = offs
-    for start in range(0, vocab_size, BLOCK):
+    best_idx = lo + offs
+    for start in range(lo, hi, BLOCK):
         token = start + offs
-        mask = token < vocab_size
+        mask = token < hi
         x = tl.load(logits_ptr + row * logits_stride + token, mask=mask, other=float("-inf")).to(tl.float32)
+        if HAS_TEMPERATURE:
+            x = tl.math.div_rn(x, temperature)  # correctly rounded, as torch's division
         u = _uniform_f64(key, token)
         noise = (-tl.log(-tl.log(u))).to(tl.float32)
         v = tl.where(mask, x + noise, float("-inf"))
@@ -139,21 +152,40 @@ def _gumbel_sample_kernel(
         best_idx = tl.where(better, token, best_idx)
     top = tl.max(best, axis=0)
     winner = tl.min(tl.where(best == top, best_idx, vocab_size), axis=0)
-    tl.store(out_ptr + row, winner.to(tl.int64))
+    tl.store(part_val_ptr + row * num_chunks + chunk, top)
+    tl.store(part_idx_ptr + row * num_chunks + chunk, winner.to(tl.int64))
+
+
+def _gumbel_num_chunks(num_rows: int, vocab_size: int, device: torch.device) -> int:
+    """Enough (row, chunk) programs for eight per SM (the float64 hash math
+    needs the occupancy to hide its latency), in whole BLOCKs of the vocabulary."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return max(1, min(-(-vocab_size // _VOCAB_BLOCK), -(-8 * sms // num_rows)))
 
 
 def gumbel_sample(
-    logits: torch.Tensor,  # [num_rows, vocab] float32: temperature-scaled, filtered (-inf = banned)
+    logits: torch.Tensor,  # [num_rows, vocab] float32: filtered (-inf = banned)
     seeds: torch.Tensor,  # [num_rows] int64
     positions: torch.Tensor,  # [num_rows] int64
+    temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled
 ) -> torch.Tensor:  # [num_rows] int64
-    """Triton version of gumbel_sample_ref: argmax(logits + Gumbel noise), noise from the same hash."""
+    """Triton version of gumbel_sample_ref: argmax(logits / temperature +
+    Gumbel noise), noise from the same hash, in one pass over the logits."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(-1) == 1
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
-        return out
-    _gumbel_sample_kernel[(num_rows,)](
-        logits, logits.stride(0), seeds, positions, out, vocab_size, BLOCK=_VOCAB_BLOCK,
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    num_chunks = _gumbel_num_chunks(num_rows, vocab_size, logits.device)
+    chunk_size = -(-vocab_size // (num_chunks * _VOCAB_BLOCK)) * _VOCAB_BLOCK
+    num_chunks = -(-vocab_size // chunk_size)
+    part_val = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+    _gumbel_sample_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), seeds, positions, logits if temperature is None else temperature,
+        part_val, part_idx, vocab_size, chunk_size, num_chunks,
+        HAS_TEMPERATURE=temperature is not None, BLOCK=_VOCAB_BLOCK,
     )
-    return out
+    if num_chunks == 1:
+        return part_idx[:, 0]
+    # torch.argmax takes the first maximal chunk: the smallest token among equal values.
+    return part_idx.gather(1, part_val.argmax(dim=1, keepdim=True))[:, 0]

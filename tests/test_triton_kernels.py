@@ -156,8 +156,9 @@ def test_uniform_bits_match(rows, vocab, poisoned_empty):
 _NEAR_TIE = 1e-5
 
 
-@pytest.mark.parametrize("rows,vocab", SHAPES)
-def test_gumbel_sample(rows, vocab, poisoned_empty):
+@pytest.mark.parametrize("with_temperature", [False, True])
+@pytest.mark.parametrize("rows,vocab", SHAPES + [(300, 4099)])  # 300 rows: chunks of several blocks
+def test_gumbel_sample(rows, vocab, with_temperature, poisoned_empty):
     g = _gen(6, rows, vocab)
     logits = torch.randn(rows, vocab, generator=g) * 2
     logits[torch.rand(rows, vocab, generator=g) < 0.3] = float("-inf")  # banned tokens
@@ -170,10 +171,13 @@ def test_gumbel_sample(rows, vocab, poisoned_empty):
     seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g)
     positions = torch.randint(0, 2**20, (rows,), generator=g)
 
-    want = gumbel_sample_ref(logits, seeds, positions)
-    got = gumbel_sample(*(t.to(DEVICE) for t in (logits, seeds, positions))).cpu()
+    args = [logits, seeds, positions]
+    if with_temperature:  # the kernel scales the logits itself, rounding as torch's division does
+        args.append(torch.rand(rows, generator=g) * 1.7 + 0.3)
+    want = gumbel_sample_ref(*args)
+    got = gumbel_sample(*(t.to(DEVICE) for t in args)).cpu()
     assert got.dtype == torch.int64 and got.shape == (rows,)
-    values = logits + gumbel_ref(seeds, positions, vocab)
+    values = (logits / args[3][:, None] if with_temperature else logits) + gumbel_ref(seeds, positions, vocab)
     top2 = values.topk(min(2, vocab), dim=-1).values
     near_tie = (top2[:, 0] - top2[:, -1]) <= _NEAR_TIE * top2[:, 0].abs().clamp(min=1.0)
     near_tie &= vocab > 1
