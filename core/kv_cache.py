@@ -144,6 +144,10 @@ class KVCacheManager:
         Returns the newly added block ids, or None, changing nothing, when
         the pool cannot hold them.
         """
+        if not cached_blocks:  # a running request: most steps need no new block
+            need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(req.block_ids)
+            if need <= 0 and req.block_ids:
+                return []
         num_computed = len(cached_blocks) * self.block_size if cached_blocks else req.num_computed_tokens
         need = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_ids) - len(cached_blocks)
         if need > self.pool.num_free - self.pool.num_free_among(cached_blocks):
@@ -166,9 +170,11 @@ class KVCacheManager:
         and whose tokens are all known (pending samples are not)."""
         if not self.enable_prefix_caching:
             return
-        hashes = self.block_hashes(req)
         start = self._num_registered.get(req.request_id, 0)
         end = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        if end <= start:
+            return
+        hashes = self.block_hashes(req)
         for i in range(start, end):
             self.pool.register(req.block_ids[i], hashes[i])
         self._num_registered[req.request_id] = max(start, end)

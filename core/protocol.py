@@ -8,6 +8,8 @@ the receiver.
 """
 from __future__ import annotations
 
+import struct
+
 import msgspec
 import numpy as np
 
@@ -16,7 +18,12 @@ from headrace.core.sampling_params import SamplingParams
 PROTOCOL_VERSION = 2
 
 
+_INT32 = struct.Struct("<i")
+
+
 def pack_ids(ids) -> bytes:
+    if type(ids) is list and len(ids) == 1:  # one new token: the common case, without numpy
+        return _INT32.pack(ids[0])
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
