@@ -27,7 +27,7 @@ for stage in "$@"; do
     throughput) python3 benchmarks/throughput.py 2>&1 | grep -v -i warn | tee "$out/throughput.log" ;;
     logprobs) python3 benchmarks/logprobs_cost.py --qwen3-0.6b --device cuda --batch 64 2>&1 | grep -v -i warn \
                 | tee "$out/logprobs_cost.log" ;;
-    streaming) python3 benchmarks/streaming.py --device cuda 2>&1 | grep -v -i warn | tee "$out/streaming.log" ;;
+    streaming) python3 benchmarks/streaming.py --device cuda --max-tokens 256 --repeats 5 2>&1 | grep -v -i warn | tee "$out/streaming.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

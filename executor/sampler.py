@@ -30,9 +30,9 @@ from headrace.kernels.logprobs import ACT_LOG_SOFTMAX
 class SampledLogprobs:
     """Per row: k_row valid columns, the sampled token first."""
 
-    token_ids: np.ndarray  # [num_rows, k] int64
+    token_ids: np.ndarray  # [num_rows, k] int32
     scores: np.ndarray  # [num_rows, k] float32, after act_func
-    sampled_ranks: np.ndarray  # [num_rows] int64, 1 = most likely
+    sampled_ranks: np.ndarray  # [num_rows] int32, 1 = most likely
     sampled_logprobs: np.ndarray  # [num_rows] float32, log_softmax of the sampled token (cumulative_logprob)
 
     @classmethod
@@ -233,5 +233,6 @@ def _logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> tuple[torch
         zeros = torch.full((len(slots),), ACT_LOG_SOFTMAX, dtype=torch.int32, device=dev)
         sampled_lp = dispatch.compute_scores(source, sampled[:, None], zeros)[:, 0]
     ranks = dispatch.token_ranks(source, sampled)
-    # Two device-to-host copies for the lot, made by the caller.
-    return torch.cat([ids, ranks[:, None]], dim=1), torch.cat([scores, sampled_lp[:, None]], dim=1)
+    # Two device-to-host copies for the lot, made by the caller; int32 and
+    # float32, as they go on the wire.
+    return torch.cat([ids, ranks[:, None]], dim=1).int(), torch.cat([scores, sampled_lp[:, None]], dim=1)
