@@ -22,7 +22,7 @@ _INT32 = struct.Struct("<i")
 
 
 def pack_ids(ids) -> bytes:
-    if type(ids) is list and len(ids) == 1:  # one new token: the common case, without numpy
+    if type(ids) is list and len(ids) == 1 and type(ids[0]) is int:  # one new token: the common case
         return _INT32.pack(ids[0])
     return np.asarray(ids, dtype="<i4").tobytes()
 

@@ -8,6 +8,7 @@ import torch
 
 from headrace.executor.attention import AttentionMetadata
 from headrace.executor.states import RequestStates, upload
+from headrace.kernels import dispatch
 
 
 @dataclass
@@ -15,8 +16,7 @@ class InputBatch:
     req_ids: list[str]  # batch row -> request id
     idx_mapping: torch.Tensor  # [num_reqs] int64, batch row -> slot
     idx_mapping_np: np.ndarray
-    num_scheduled: torch.Tensor  # [num_reqs] int32
-    num_scheduled_np: np.ndarray
+    num_scheduled_np: np.ndarray  # [num_reqs] tokens each row computes
     query_start_loc_np: np.ndarray  # [num_reqs + 1]
     seq_lens_np: np.ndarray  # [num_reqs] tokens in the cache after this step
     sample_rows: torch.Tensor  # [num_samples] int64, the rows that sample a token (not prefill chunks)
@@ -30,9 +30,10 @@ class InputBatch:
 def prepare_inputs(
     states: RequestStates, num_scheduled_tokens: dict[str, int], block_size: int, device: torch.device
 ) -> InputBatch:
-    """One small host array goes to the device (slots, token counts, query
-    starts, sequence lengths, sampling rows); positions, input ids, the
-    block tables and the slot mapping are derived there from slot state."""
+    """One small host array goes to the device (slots, query starts,
+    sequence lengths, sampling rows); positions, input ids, the
+    block tables and the slot mapping are derived there from slot state
+    (kernels/input_prep.py)."""
     req_ids = list(num_scheduled_tokens)
     n = len(req_ids)
     idx_mapping_np = np.fromiter((states.req_to_slot[r] for r in req_ids), dtype=np.int64, count=n)
@@ -44,22 +45,16 @@ def prepare_inputs(
     sample_rows_np = np.flatnonzero(seq_lens_np == states.num_tokens[idx_mapping_np])
     num_tokens = int(query_start_loc_np[-1])
 
-    packed = upload(np.concatenate([idx_mapping_np, num_scheduled_np, query_start_loc_np, seq_lens_np,
-                                    sample_rows_np]).astype(np.int32), device)
+    packed = upload(np.concatenate([idx_mapping_np, query_start_loc_np, seq_lens_np, sample_rows_np])
+                    .astype(np.int32), device)
     idx_mapping = packed[:n].long()
-    num_scheduled = packed[n : 2 * n]
-    query_start_loc = packed[2 * n : 3 * n + 1]
-    seq_lens = packed[3 * n + 1 : 4 * n + 1]
-    sample_rows = packed[4 * n + 1 :].long()
+    query_start_loc = packed[n : 2 * n + 1]
+    seq_lens = packed[2 * n + 1 : 3 * n + 1]
+    sample_rows = packed[3 * n + 1 :].long()
 
-    row = torch.repeat_interleave(torch.arange(n, device=device), num_scheduled,
-                                  output_size=num_tokens)  # token -> batch row
-    slot = idx_mapping[row]  # token -> slot
-    offset = torch.arange(num_tokens, device=device) - query_start_loc[row]
-    positions = states.num_computed.gpu[slot].long() + offset
-    input_ids = states.token_ids.gpu[slot, positions].long()
-    block_tables = states.block_table.gpu[idx_mapping]  # [num_reqs, max_blocks_per_req]
-    slot_mapping = block_tables[row, positions // block_size].long() * block_size + positions % block_size
+    input_ids, positions, slot_mapping, block_tables = dispatch.prepare_inputs(
+        idx_mapping, query_start_loc, num_tokens, states.num_computed.gpu, states.token_ids.gpu,
+        states.block_table.gpu, block_size)
     attn = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
@@ -74,7 +69,6 @@ def prepare_inputs(
         req_ids=req_ids,
         idx_mapping=idx_mapping,
         idx_mapping_np=idx_mapping_np,
-        num_scheduled=num_scheduled,
         num_scheduled_np=num_scheduled_np,
         query_start_loc_np=query_start_loc_np,
         seq_lens_np=seq_lens_np,

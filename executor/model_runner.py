@@ -276,7 +276,7 @@ class ModelRunner:
         states = self.states
         slots = batch.idx_mapping_np
         states.num_computed.np[slots] = batch.seq_lens_np
-        states.num_computed.gpu[batch.idx_mapping] += batch.num_scheduled
+        states.num_computed.gpu[batch.idx_mapping] = batch.attn.seq_lens  # computed + scheduled
         if batch.sample_rows_np.size:
             rows = batch.sample_rows
             states.token_ids.gpu[batch.idx_mapping[rows], batch.attn.seq_lens[rows].long()] = sampled[rows].int()

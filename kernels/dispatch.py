@@ -1,10 +1,10 @@
-"""Which implementation of each sampling kernel a tensor gets: the Triton
+"""Which implementation of each kernel a tensor gets: the Triton
 launcher on a CUDA device, the torch reference elsewhere."""
 from __future__ import annotations
 
 import torch
 
-from headrace.kernels import activation, logprobs, norm, penalties, rotary, sampling
+from headrace.kernels import activation, input_prep, logprobs, norm, penalties, rotary, sampling
 
 
 def _pick(ref, name: str, module):
@@ -27,3 +27,4 @@ gumbel_sample = _pick(sampling.gumbel_sample_ref, "gumbel_sample", sampling)
 rms_norm = _pick(norm.rms_norm_ref, "rms_norm", norm)
 rotary_embedding = _pick(rotary.rotary_ref, "rotary", rotary)
 silu_and_mul = _pick(activation.silu_and_mul_ref, "silu_and_mul", activation)
+prepare_inputs = _pick(input_prep.prepare_inputs_ref, "prepare_inputs", input_prep)

@@ -1,0 +1,105 @@
+"""A step's per-token inputs gathered from the persistent slot state: torch
+reference and Triton kernel.
+
+For batch row r (slot s = idx_mapping[r]) computing query tokens
+[query_start_loc[r], query_start_loc[r + 1]), token i of the row sits at
+position num_computed[s] + i; its input id is token_ids[s, position] (the
+prompt, or a token a previous step sampled and wrote there on the device),
+and its KV goes to cache slot block_table[s, position // block_size] *
+block_size + position % block_size. Row r's block table is slot s's row.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def prepare_inputs_ref(
+    idx_mapping: torch.Tensor,  # [num_reqs] int64, batch row -> slot
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    num_tokens: int,  # query_start_loc[-1], known on the host
+    num_computed: torch.Tensor,  # [num_slots] int32, slot -> tokens in the cache before this step
+    token_ids: torch.Tensor,  # [num_slots, max_model_len] int32
+    block_table: torch.Tensor,  # [num_slots, max_blocks] int32
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids [num_tokens] int64, positions [num_tokens] int64, slot_mapping
+    [num_tokens] int64, block_tables [num_reqs, max_blocks] int32)."""
+    num_reqs = idx_mapping.shape[0]
+    dev = idx_mapping.device
+    counts = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    row = torch.repeat_interleave(torch.arange(num_reqs, device=dev), counts, output_size=num_tokens)  # token -> row
+    slot = idx_mapping[row]  # token -> slot
+    positions = num_computed[slot].long() + torch.arange(num_tokens, device=dev) - query_start_loc[row].long()
+    input_ids = token_ids[slot, positions].long()
+    block_tables = block_table[idx_mapping]
+    slot_mapping = block_tables[row, positions // block_size].long() * block_size + positions % block_size
+    return input_ids, positions, slot_mapping, block_tables
+
+
+# Triton: one program per batch row; it walks the row's queries and then
+# copies the slot's block-table row, BLOCK entries at a time.
+_BLOCK = 128
+
+
+@triton.jit
+def _prepare_inputs_kernel(
+    idx_mapping_ptr, query_start_loc_ptr, num_computed_ptr,
+    token_ids_ptr, token_ids_stride,
+    block_table_ptr, block_table_stride,
+    input_ids_ptr, positions_ptr, slot_mapping_ptr,
+    block_tables_ptr, block_tables_stride,
+    max_blocks,
+    BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slot = tl.load(idx_mapping_ptr + row).to(tl.int64)
+    start = tl.load(query_start_loc_ptr + row)
+    count = tl.load(query_start_loc_ptr + row + 1) - start
+    computed = tl.load(num_computed_ptr + slot)
+    offs = tl.arange(0, BLOCK)
+    for i in range(0, count, BLOCK):
+        mask = i + offs < count
+        pos = computed + i + offs  # int32
+        tok = (start + i + offs).to(tl.int64)
+        ids = tl.load(token_ids_ptr + slot * token_ids_stride + pos, mask=mask, other=0)
+        blk = tl.load(block_table_ptr + slot * block_table_stride + pos // BLOCK_SIZE, mask=mask, other=0)
+        tl.store(positions_ptr + tok, pos.to(tl.int64), mask=mask)
+        tl.store(input_ids_ptr + tok, ids.to(tl.int64), mask=mask)
+        tl.store(slot_mapping_ptr + tok, blk.to(tl.int64) * BLOCK_SIZE + (pos % BLOCK_SIZE).to(tl.int64), mask=mask)
+    for j in range(0, max_blocks, BLOCK):
+        mask = j + offs < max_blocks
+        blocks = tl.load(block_table_ptr + slot * block_table_stride + j + offs, mask=mask)
+        tl.store(block_tables_ptr + row.to(tl.int64) * block_tables_stride + j + offs, blocks, mask=mask)
+
+
+def prepare_inputs(
+    idx_mapping: torch.Tensor,  # [num_reqs] int64, batch row -> slot
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    num_tokens: int,
+    num_computed: torch.Tensor,  # [num_slots] int32
+    token_ids: torch.Tensor,  # [num_slots, max_model_len] int32
+    block_table: torch.Tensor,  # [num_slots, max_blocks] int32
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of prepare_inputs_ref: one launch instead of a dozen ops."""
+    assert token_ids.stride(1) == 1 and block_table.stride(1) == 1
+    assert block_size & (block_size - 1) == 0
+    num_reqs = idx_mapping.shape[0]
+    dev = idx_mapping.device
+    input_ids = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+    positions = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+    slot_mapping = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+    block_tables = torch.empty(num_reqs, block_table.shape[1], dtype=block_table.dtype, device=dev)
+    if num_reqs:
+        _prepare_inputs_kernel[(num_reqs,)](
+            idx_mapping, query_start_loc, num_computed,
+            token_ids, token_ids.stride(0),
+            block_table, block_table.stride(0),
+            input_ids, positions, slot_mapping,
+            block_tables, block_tables.stride(0),
+            block_table.shape[1],
+            BLOCK_SIZE=block_size, BLOCK=_BLOCK,
+        )
+    return input_ids, positions, slot_mapping, block_tables

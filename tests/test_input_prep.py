@@ -1,0 +1,67 @@
+"""The input-preparation kernel against its torch reference, and the
+reference against a plain loop over rows and tokens."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from headrace.kernels.input_prep import prepare_inputs, prepare_inputs_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def slot_state(seed: int, num_slots: int, max_len: int, block_size: int):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max_len // block_size)
+    token_ids = torch.randint(0, 50_000, (num_slots, max_len), generator=g, dtype=torch.int32)
+    block_table = torch.randint(0, 10_000, (num_slots, max_blocks), generator=g, dtype=torch.int32)
+    return g, token_ids, block_table
+
+
+def make_batch(g, num_slots: int, max_len: int, num_reqs: int):
+    """Rows on distinct slots: each has some computed tokens and computes 1
+    (decode), a few, or more than the kernel's 128-token block."""
+    slots = torch.randperm(num_slots, generator=g)[:num_reqs]
+    kind = torch.rand(num_reqs, generator=g)
+    counts = torch.where(kind < 0.5, 1, torch.randint(1, 40, (num_reqs,), generator=g))
+    counts = torch.where(kind > 0.85, torch.randint(129, 260, (num_reqs,), generator=g), counts)
+    computed = torch.stack([torch.randint(0, max_len - int(c) + 1, (1,), generator=g)[0] for c in counts])
+    num_computed = torch.zeros(num_slots, dtype=torch.int32)
+    num_computed[slots] = computed.int()
+    qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    qsl[1:] = counts.cumsum(0)
+    return slots.long(), qsl, int(qsl[-1]), num_computed
+
+
+def loop_reference(idx_mapping, qsl, num_computed, token_ids, block_table, block_size):
+    ids, pos, slot_map = [], [], []
+    for r, slot in enumerate(idx_mapping.tolist()):
+        for i in range(int(qsl[r + 1] - qsl[r])):
+            p = int(num_computed[slot]) + i
+            pos.append(p)
+            ids.append(int(token_ids[slot, p]))
+            slot_map.append(int(block_table[slot, p // block_size]) * block_size + p % block_size)
+    return ids, pos, slot_map, block_table[idx_mapping].tolist()
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("num_reqs", [1, 5, 33])
+def test_prepare_inputs_matches_reference(block_size, num_reqs):
+    num_slots, max_len = 40, 300
+    g, token_ids, block_table = slot_state(block_size * 100 + num_reqs, num_slots, max_len, block_size)
+    idx_mapping, qsl, num_tokens, num_computed = make_batch(g, num_slots, max_len, num_reqs)
+    want = prepare_inputs_ref(idx_mapping, qsl, num_tokens, num_computed, token_ids, block_table, block_size)
+    assert [t.tolist() for t in want] == list(loop_reference(idx_mapping, qsl, num_computed, token_ids,
+                                                             block_table, block_size))
+    args = [t.to(DEVICE) for t in (idx_mapping, qsl)] + [num_tokens] + \
+        [t.to(DEVICE) for t in (num_computed, token_ids, block_table)] + [block_size]
+    got = prepare_inputs(*args)
+    for w, o in zip(want, got, strict=True):
+        assert o.dtype == w.dtype and o.shape == w.shape
+        assert torch.equal(o.cpu(), w)
