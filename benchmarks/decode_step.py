@@ -16,6 +16,7 @@ overlapped steps comes from CUDA events around each queued step.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -147,7 +148,10 @@ def main() -> None:
                   f"{overlap / floor:7.2f} {100 * idle / wall:6.1f}%  {bound}")
             if f"{batch}x{context}" in args.profile.split(","):
                 profile(core, args.steps)
-            del core
+            # The timeline's wrapper and the executor refer to each other: collect
+            # the cycle, or the next point's KV pool finds this one's still held.
+            del core, timeline
+            gc.collect()
             torch.cuda.empty_cache()
 
 
