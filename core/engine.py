@@ -73,7 +73,13 @@ class EngineCore:
             self.record_stats()
             return
         # n samples of one prompt: sibling requests with their own seeds; the
-        # first computes the prompt, the others share its KV blocks.
+        # first computes the prompt, the others share its KV blocks. Their ids
+        # ("id#i") are checked before any is added, so a clash with a live
+        # request's id changes nothing.
+        clash = [f"{request_id}#{i}" for i in range(sp.n) if f"{request_id}#{i}" in self.scheduler.requests]
+        if clash:
+            raise ValueError(f"request {request_id!r}: its samples would be addressed as {clash[0]!r}, "
+                             f"the id of a live request; use another request id")
         children, leader = [], None
         for i in range(sp.n):
             child = Request(f"{request_id}#{i}", prompt_token_ids, sp, eos, _child_seed(seed, i), arrival_time,

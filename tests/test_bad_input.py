@@ -7,6 +7,8 @@ import shutil
 import pytest
 
 from headrace import LLM, ConfigError, SamplingParams
+from headrace.core.config import EngineArgs
+from headrace.core.engine import EngineCore
 from tests.conftest import assert_blocks_free
 
 
@@ -147,3 +149,23 @@ def test_hub_id_resolves_through_the_local_cache(checkpoint, tmp_path, monkeypat
     llm = LLM("tiny-org/tiny-llama", max_model_len=32)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_sample_ids_that_clash_with_a_live_request_change_nothing(checkpoint):
+    """The samples of an n > 1 request are addressed as "id#i"; a live request
+    already named so makes the whole request fail, adding none of its samples."""
+    core = EngineCore(EngineArgs(model=checkpoint("llama"), max_model_len=64))
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    core.add_request("x#1", [5, 6, 7], greedy, 0.0)
+    with pytest.raises(ValueError, match="'x#1', the id of a live request"):
+        core.add_request("x", [8, 9], SamplingParams(n=3, max_tokens=3, seed=1), 0.0)
+    assert set(core.scheduler.requests) == {"x#1"} and not core.live("x")
+    with pytest.raises(ValueError, match="already in use"):  # and the other way round
+        core.add_request("x#1", [8, 9], greedy, 0.0)
+    finished = {}
+    while core.has_unfinished:
+        for out in core.step():
+            finished[out.request_id] = out.finish_reason
+    assert finished == {"x#1": "length"}
+    assert core.scheduler.kv.num_free_blocks == core.cache_config.num_blocks
+    assert not core.executor.states.req_to_slot
