@@ -207,11 +207,8 @@ class EngineCore:
                 finished_time=req.finished_time,
             )
             if lp is not None and req.sampling_params.num_logprobs is not None:
-                k = 1 + req.sampling_params.num_logprobs
-                out.logprob_token_ids = pack_ids(lp.token_ids[u.row, :k])
-                out.logprobs = pack_floats(lp.scores[u.row, :k])
-                out.sampled_ranks = pack_ids(lp.sampled_ranks[u.row : u.row + 1])
-                out.sampled_logprobs = pack_floats(lp.sampled_logprobs[u.row : u.row + 1])
+                out.logprob_token_ids, out.logprobs, out.sampled_ranks, out.sampled_logprobs = lp.wire(
+                    u.row, 1 + req.sampling_params.num_logprobs)
             if req.prompt_logprobs and not req.prompt_logprobs_sent:
                 out.prompt_logprob_token_ids = pack_ids(np.concatenate([p.token_ids for p in req.prompt_logprobs]))
                 out.prompt_logprobs = pack_floats(np.concatenate([p.scores for p in req.prompt_logprobs]))

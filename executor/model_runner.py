@@ -233,7 +233,7 @@ class ModelRunner:
             self._record(pending, sampled)
         logprobs = None
         if pending.logprobs is not None:
-            logprobs = SampledLogprobs.unpack(*(t.numpy() for t in pending.logprobs))
+            logprobs = SampledLogprobs(*(t.numpy() for t in pending.logprobs))
         prompt_logprobs = {rid: PromptLogprobs(start, ids.numpy(), scores.numpy(), ranks.numpy())
                            for rid, (start, ids, scores, ranks) in pending.prompt_logprobs.items()}
         return ModelRunnerOutput(pending.req_ids, sampled, logprobs, prompt_logprobs)

@@ -26,19 +26,24 @@ from headrace.kernels import dispatch
 from headrace.kernels.logprobs import ACT_LOG_SOFTMAX
 
 
-@dataclass
 class SampledLogprobs:
-    """Per row: k_row valid columns, the sampled token first."""
+    """The step's logprobs as _logprobs packs them: per row, K columns (the
+    sampled token first, then the top-N or the chosen ids; a row uses its
+    first k_row) and one more, the sampled token's rank or log_softmax
+    (cumulative_logprob sums the latter whatever act_func says)."""
 
-    token_ids: np.ndarray  # [num_rows, k] int32
-    scores: np.ndarray  # [num_rows, k] float32, after act_func
-    sampled_ranks: np.ndarray  # [num_rows] int32, 1 = most likely
-    sampled_logprobs: np.ndarray  # [num_rows] float32, log_softmax of the sampled token (cumulative_logprob)
+    def __init__(self, ints: np.ndarray, floats: np.ndarray) -> None:
+        self.ints = ints.astype("<i4", copy=False)  # [num_rows, K + 1] token ids, then the rank (1 = most likely)
+        self.floats = floats.astype("<f4", copy=False)  # [num_rows, K + 1] scores after act_func, then log_softmax
+        self._int_bytes, self._float_bytes = self.ints.tobytes(), self.floats.tobytes()
+        self._row_bytes = 4 * self.ints.shape[1]
 
-    @classmethod
-    def unpack(cls, ints: np.ndarray, floats: np.ndarray) -> SampledLogprobs:
-        """From the two arrays _logprobs packs: ids then rank, scores then the sampled logprob."""
-        return cls(ints[:, :-1], floats[:, :-1], ints[:, -1], floats[:, -1])
+    def wire(self, row: int, k: int) -> tuple[bytes, bytes, bytes, bytes]:
+        """Row `row`'s first k ids and scores, its rank and sampled logprob, as the
+        protocol's packed arrays: slices of one buffer per step, not a pack per request."""
+        start, end = row * self._row_bytes, (row + 1) * self._row_bytes
+        ints, floats = self._int_bytes, self._float_bytes
+        return ints[start : start + 4 * k], floats[start : start + 4 * k], ints[end - 4 : end], floats[end - 4 : end]
 
 
 @dataclass
@@ -56,7 +61,7 @@ def sample(
     processors=(),
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """The sampled token per row, and the logprobs packed in two device
-    tensors for one host copy each (see SampledLogprobs.unpack). Nothing
+    tensors for one host copy each (see SampledLogprobs). Nothing
     here waits for the device."""
     st = states.sampling
     slots = batch.idx_mapping_np
