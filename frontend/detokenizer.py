@@ -18,6 +18,14 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._opts = dict(skip_special_tokens=skip_special_tokens,
                           spaces_between_special_tokens=spaces_between_special_tokens)
+        # A fast tokenizer's decode is its Rust backend's, plus an optional
+        # clean-up pass; without that pass, call the backend directly (a
+        # third of the time: two decodes run per token and stream).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        clean_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        if backend is not None and hasattr(backend, "decode") and not clean_up:
+            self._backend, self._skip = backend, skip_special_tokens
+            self._decode = self._backend_decode
         self.token_ids: list[int] = []
         self.text = ""  # everything emitted so far
         self._prefix = 0  # window start
@@ -25,6 +33,9 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids) -> str:
         return self._tok.decode(ids, **self._opts)
+
+    def _backend_decode(self, ids) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_ids) -> str:
         self.token_ids.extend(token_ids)

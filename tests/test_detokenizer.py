@@ -6,6 +6,7 @@ half-decoded character (U+FFFD) unless the token ids themselves are invalid UTF-
 """
 from __future__ import annotations
 
+import copy
 import random
 import time
 
@@ -116,6 +117,20 @@ def test_stream_equals_decode(tok, mode, skip):
                 assert d.token_ids == ids
                 # valid text: flush has nothing left once the last character completed
                 assert tail == ""
+
+
+def test_a_tokenizer_with_clean_up_decodes_through_transformers(tok):
+    """The direct backend decode is only for tokenizers without the clean-up
+    pass; one with it goes through tokenizer.decode, and the stream still
+    adds up to that."""
+    assert IncrementalDetokenizer(tok)._decode.__name__ == "_backend_decode"
+    cleaning = copy.deepcopy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    text = "a , b . c ! don ' t"
+    ids = cleaning.encode(text)
+    deltas, tail, d = _stream(cleaning, ids, _chunks(len(ids), None))
+    assert d._decode.__name__ == "_decode"
+    assert "".join(deltas) + tail == cleaning.decode(ids)
 
 
 def test_skipped_specials_inside_a_character(tok):
