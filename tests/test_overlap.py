@@ -99,3 +99,36 @@ def test_queuing_a_step_never_waits_for_the_device(checkpoint):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert len(calls) > 10 and max(calls) >= 48 and min(calls) < 8  # prefill chunks and decode steps ran
     assert all(len(o.outputs) >= 1 and o.outputs[0].token_ids for o in outs)
+
+
+def test_an_id_reused_while_its_old_step_is_in_flight_gets_only_its_own_tokens(checkpoint):
+    """Abort a request while its step is queued, add a new request under the
+    same id at once: reading back the old step must not touch the new one."""
+    from headrace.core.config import EngineArgs
+    from headrace.core.engine import EngineCore
+    from headrace.core.protocol import unpack_ids
+
+    path = checkpoint("qwen3")
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+
+    def run(core):
+        tokens = []
+        while core.has_unfinished:
+            for out in core.step():
+                tokens += unpack_ids(out.new_token_ids).tolist()
+        return tokens
+
+    want = run(_add(EngineCore(EngineArgs(model=path, max_model_len=64)), "r", [9, 8, 7], greedy))
+    core = _add(EngineCore(EngineArgs(model=path, max_model_len=64)), "r", [5, 6, 7, 8], greedy)
+    core.step()
+    core.step()  # the old request's second step is queued, its first read back
+    assert core.abort(["r"]) == ["r"]
+    assert core.has_unfinished and not core.scheduler.requests  # only the queued step is left
+    _add(core, "r", [9, 8, 7], greedy)
+    assert run(core) == want
+    assert core.scheduler.kv.num_free_blocks == core.cache_config.num_blocks
+
+
+def _add(core, rid, prompt, params):
+    core.add_request(rid, prompt, params, 0.0)
+    return core
