@@ -163,10 +163,10 @@ class EngineCore:
             self._in_flight.append((sched, self.executor.execute(sched)))
         else:
             self.executor.remove(sched.finished_req_ids)  # e.g. a request that preempted itself
-        if not sched.num_scheduled_tokens and not self._in_flight:
             # Admission always fits one request into an empty pool, so an idle
-            # step with work queued would be a scheduler bug, not a wait.
-            assert not self.scheduler.num_unfinished, "the scheduler scheduled nothing while requests wait"
+            # step with nothing queued and work waiting would be a scheduler bug.
+            assert self._in_flight or not self.scheduler.num_unfinished, \
+                "the scheduler scheduled nothing while requests wait"
         keep = 1 if sched.num_scheduled_tokens and not sync else 0
         return outputs + self._read_back(keep)
 

@@ -144,12 +144,10 @@ class KVCacheManager:
         Returns the newly added block ids, or None, changing nothing, when
         the pool cannot hold them.
         """
-        if not cached_blocks:  # a running request: most steps need no new block
-            need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(req.block_ids)
-            if need <= 0 and req.block_ids:
-                return []
         num_computed = len(cached_blocks) * self.block_size if cached_blocks else req.num_computed_tokens
         need = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_ids) - len(cached_blocks)
+        if need <= 0 and req.block_ids:  # a running request with room left: most steps
+            return []
         if need > self.pool.num_free - self.pool.num_free_among(cached_blocks):
             return None
         if not req.block_ids and self.enable_prefix_caching:

@@ -215,13 +215,14 @@ class Scheduler:
 
         Steps report in the order they were scheduled, possibly after later
         steps were scheduled. A row whose request was aborted or preempted
-        since its step was scheduled is dropped.
+        since its step was scheduled is dropped: its status is no longer
+        RUNNING (a preempted request is readmitted only by a schedule made
+        after this step reported).
         """
         updates = []
         now = time.time()
         for row, req in enumerate(out.reqs):
-            if not out.samples[row] or req.status != RequestStatus.RUNNING \
-                    or self.requests.get(req.request_id) is not req:
+            if not out.samples[row] or req.status != RequestStatus.RUNNING:
                 continue
             token = sampled_token_ids[row]
             req.num_pending -= 1

@@ -235,8 +235,8 @@ def _logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> tuple[torch
     if (st.act.np[slots] == ACT_LOG_SOFTMAX).all():
         sampled_lp = scores[:, 0]  # column 0 is the sampled token, already log_softmax
     else:  # cumulative_logprob sums log_softmax values whatever act_func says
-        zeros = torch.full((len(slots),), ACT_LOG_SOFTMAX, dtype=torch.int32, device=dev)
-        sampled_lp = dispatch.compute_scores(source, sampled[:, None], zeros)[:, 0]
+        log_softmax = torch.full((len(slots),), ACT_LOG_SOFTMAX, dtype=torch.int32, device=dev)
+        sampled_lp = dispatch.compute_scores(source, sampled[:, None], log_softmax)[:, 0]
     ranks = dispatch.token_ranks(source, sampled)
     # Two device-to-host copies for the lot, made by the caller; int32 and
     # float32, as they go on the wire.
