@@ -10,7 +10,7 @@ import numpy as np
 from headrace.core.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
 from headrace.core.sampling_params import SamplingParams, check_token_ids
-from headrace.core.request import Request
+from headrace.core.request import Request, check_prompt
 from headrace.core.scheduler import Scheduler
 from headrace.executor.model_runner import ModelRunner
 from headrace.executor.models.loader import resolve_model_path
@@ -48,19 +48,8 @@ class EngineCore:
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float
     ) -> None:
         """Admit a request; raises ValueError, changing nothing, for one the core cannot serve."""
-        n = len(prompt_token_ids)
-        limit = self.sched_config.max_model_len
-        if n == 0:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if n >= limit:
-            raise ValueError(
-                f"request {request_id!r}: the prompt has {n} tokens, but max_model_len is {limit} "
-                f"(at most {limit - 1} prompt tokens, leaving room to generate one)"
-            )
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: prompt token ids {bad[:5]} are outside [0, {vocab})")
+        check_prompt(prompt_token_ids, self.sched_config.max_model_len, vocab, f"request {request_id!r}: the prompt")
         sp = sampling_params
         check_token_ids(sp, vocab)
         if request_id in self._families:

@@ -7,6 +7,20 @@ import time
 from headrace.core.sampling_params import SamplingParams
 
 
+def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int, name: str = "the prompt") -> None:
+    """Raise ValueError, naming the prompt as `name`, for one no engine of
+    these limits can serve: empty, too long to leave room for one generated
+    token, or with ids outside the vocabulary."""
+    if not token_ids:
+        raise ValueError(f"{name} is empty")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"{name} has {len(token_ids)} tokens, but max_model_len is {max_model_len} "
+                         f"(at most {max_model_len - 1} prompt tokens, leaving room to generate one)")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1

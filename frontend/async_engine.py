@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from headrace.core.config import EngineArgs
 from headrace.core.outputs import RequestOutput
 from headrace.core.protocol import Ready, RequestError, StepOutputs
+from headrace.core.request import check_prompt
 from headrace.core.sampling_params import SamplingParams, check_token_ids
 from headrace.frontend.client import EngineClient, EngineDeadError
 from headrace.frontend.core_process import CoreProcess
@@ -152,8 +153,7 @@ class AsyncEngine:
                     return
         finally:
             if not state.finished and self._states.pop(state.request_id, None) is not None:
-                state.finish("abort")
-                state.record_finished()
+                state.abort()
                 if not self.is_dead:
                     # Fire and forget: a cancelled task cannot await.
                     asyncio.get_running_loop().create_task(self._client.abort([state.request_id]))
@@ -224,14 +224,7 @@ class AsyncEngine:
             token_ids = list(prompt)
         else:
             raise TypeError(f"{name} must be a string, a list of token ids or a list of chat messages")
-        limit, vocab = self.info.max_model_len, self.info.vocab_size
-        if not token_ids:
-            raise ValueError(f"{name} is empty")
-        if len(token_ids) >= limit:
-            raise ValueError(f"{name} has {len(token_ids)} tokens, but max_model_len is {limit} "
-                             f"(at most {limit - 1} prompt tokens)")
-        if not all(0 <= t < vocab for t in token_ids):
-            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab})")
+        check_prompt(token_ids, self.info.max_model_len, self.info.vocab_size, name)
         return text, token_ids
 
     def is_running(self, request_id: str) -> bool:
@@ -248,8 +241,7 @@ class AsyncEngine:
         await self._client.abort(ids)
         for rid in ids:
             state, queue = self._states.pop(rid)
-            state.finish("abort")
-            state.record_finished()
+            state.abort()
             queue.put_nowait(state.output())
 
     async def stats(self):

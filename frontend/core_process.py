@@ -18,6 +18,15 @@ def private_ipc_address() -> tuple[str, str]:
     return f"ipc://{directory}/core.sock", directory
 
 
+def remove_private_ipc(address: str, directory: str) -> None:
+    """Remove what private_ipc_address made: the socket file, if the core left one, and its directory."""
+    try:
+        os.unlink(address[len("ipc://"):])
+    except FileNotFoundError:
+        pass
+    os.rmdir(directory)
+
+
 def engine_args_to_cli(args: EngineArgs) -> list[str]:
     flags = []
     for field in dataclasses.fields(args):
@@ -71,9 +80,5 @@ class CoreProcess:
                 self.proc.kill()
                 self.proc.wait()
         if self._directory is not None:
-            try:
-                os.unlink(self.address[len("ipc://"):])
-            except FileNotFoundError:
-                pass
-            os.rmdir(self._directory)
+            remove_private_ipc(self.address, self._directory)
             self._directory = None

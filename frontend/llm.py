@@ -21,7 +21,7 @@ from headrace.core.outputs import RequestOutput
 from headrace.core.sampling_params import RequestOutputKind, SamplingParams
 from headrace.core.server import CoreServer
 from headrace.frontend.async_engine import AsyncEngine, Prompt, new_event_loop
-from headrace.frontend.core_process import private_ipc_address
+from headrace.frontend.core_process import private_ipc_address, remove_private_ipc
 from headrace.metrics.exporter import MetricsServer, check_metrics_options
 
 
@@ -163,8 +163,4 @@ def _shutdown(core, core_thread, frontend, loop, loop_thread, address, directory
         loop_thread.join(timeout=5)
     core.stop()
     core_thread.join(timeout=10)
-    try:
-        os.unlink(address[len("ipc://"):])
-    except FileNotFoundError:
-        pass
-    os.rmdir(directory)
+    remove_private_ipc(address, directory)

@@ -26,7 +26,6 @@ class _Sample:
         self.params = params
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
         self._token_text = token_text
-        self.token_ids: list[int] = []
         wants = params.num_logprobs is not None
         self.logprobs: list[dict[int, Logprob]] | None = [] if wants else None
         self.cumulative_logprob = 0.0 if wants else None
@@ -34,7 +33,8 @@ class _Sample:
         self.stop_reason: int | str | None = None
         self.stopped_by_string = False  # the frontend ended it; the core must be told to abort
         self._stops = params.stop or []
-        self._hold = max(map(len, self._stops)) - 1 if self._stops and not params.include_stop_str_in_output else 0
+        self._longest_stop = max(map(len, self._stops), default=0)
+        self._hold = self._longest_stop - 1 if self._stops and not params.include_stop_str_in_output else 0
         self._text_end: int | None = None  # where a stop string cut the text
         self.sent_text = 0
         self.sent_tokens = 0
@@ -44,9 +44,12 @@ class _Sample:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detok.token_ids  # the detokenizer keeps the ids it decodes
+
     def process(self, out: EngineCoreOutput) -> None:
         new_ids = unpack_ids(out.new_token_ids).tolist()
-        self.token_ids.extend(new_ids)
         if self.logprobs is not None and out.logprobs:
             self._add_logprobs(out, len(new_ids))
         before = len(self.detok.text)
@@ -59,7 +62,7 @@ class _Sample:
 
     def _check_stop_strings(self, before: int) -> None:
         text = self.detok.text
-        start = max(0, before - max(map(len, self._stops)) + 1)
+        start = max(0, before - self._longest_stop + 1)
         hits = [(i, s) for s in self._stops if (i := text.find(s, start)) >= 0]
         if not hits:
             return
@@ -156,6 +159,11 @@ class RequestState:
         for s in self.samples:
             if not s.finished:
                 s.finish_reason = reason
+
+    def abort(self) -> None:
+        """End every unfinished sample as aborted and record the request's metrics."""
+        self.finish("abort")
+        self.record_finished()
 
     def process(self, out: EngineCoreOutput, timestamp: float | None = None) -> RequestOutput | None:
         """Take one core output (of the step that ended at core time timestamp);
