@@ -1,6 +1,6 @@
 """SiLU-and-multiply (the gated MLP activation): torch reference and Triton kernel.
 
-Semantics are those of executor/models/layers.silu_and_mul (and transformers'
+The reference defines what the model's MLP computes (transformers'
 act_fn(gate_proj(x)) * up_proj(x)): gate, up = x halves of the last dim;
 silu(gate) is rounded to x's dtype, then multiplied by up and rounded again.
 """

@@ -116,29 +116,17 @@ def paged_attention_torch(
 # longest chunk (measured on an H200: 64 decode rows of 2k context beside a
 # 512-token chunk took 361 us all through the general kernel).
 
-import functools  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from headrace.kernels.device import num_sms  # noqa: E402
+from headrace.kernels.norm import cast_rtne  # noqa: E402
 
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # a constexpr global: readable inside kernels
 _MAX_SPLITS = 16
 _MIN_KEYS_PER_SPLIT = 512
-
-
-@triton.jit
-def _cast_rtne(x, dtype: tl.constexpr):
-    """x.to(dtype) rounded to nearest even on the GPU and in the interpreter
-    alike (the interpreter truncates float32 -> bfloat16): for bfloat16 the
-    rounding is done on the bits, so the cast is exact. The same trick as
-    kernels/norm.py's cast_rtne, kept here so this module stands alone."""
-    if dtype == tl.bfloat16:
-        x = x.to(tl.float32)
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(dtype)
 
 
 @triton.jit
@@ -162,8 +150,8 @@ def _write_kv_kernel(
         + h[:, None] * stride_c_h + d[None, :]
     k = tl.load(k_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(dst, _cast_rtne(k, cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_c_kv, _cast_rtne(v, cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, cast_rtne(k.to(tl.float32), cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, cast_rtne(v.to(tl.float32), cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(
@@ -305,7 +293,7 @@ def _paged_attention_kernel(
     )
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + o_off, _cast_rtne(out, out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(out_ptr + o_off, cast_rtne(out.to(tl.float32), out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -331,7 +319,7 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
-        return  # an empty row: no query to answer
+        return  # an empty row, or a prefill row: the general kernel's
     seq_len = tl.load(seq_lens_ptr + req)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     key_lo = split * tiles_per_split * BLOCK_N
@@ -365,7 +353,7 @@ def _paged_decode_kernel(
     else:
         out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
         o_off = q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + o_off, _cast_rtne(out, out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(out_ptr + o_off, cast_rtne(out.to(tl.float32), out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -393,21 +381,14 @@ def _paged_decode_reduce_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, axis=0) / l_sum  # [BLOCK_D]
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d, _cast_rtne(out, out_ptr.dtype.element_ty),
-             mask=offs_d < head_dim)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100's count stands in off the GPU, so the interpreter takes the same choices
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             cast_rtne(out.to(tl.float32), out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
 def _decode_num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Split the context only while (request, KV head) programs are too few
     to give every SM two, and keep at least _MIN_KEYS_PER_SPLIT keys a split."""
-    by_occupancy = -(-2 * _num_sms(device) // max(1, num_reqs * num_kv_heads))
+    by_occupancy = -(-2 * num_sms(device) // max(1, num_reqs * num_kv_heads))
     by_length = -(-max_seq_len // _MIN_KEYS_PER_SPLIT)
     return max(1, min(_MAX_SPLITS, by_occupancy, by_length))
 
@@ -476,10 +457,13 @@ def paged_attention(
         num_splits = _decode_num_splits(q.device, num_reqs, num_kv_heads, max_seq_len)
     assert num_splits >= 1
     split = num_splits > 1
-    shape = (num_reqs, num_heads, num_splits) if split else (1,)
-    part_m = torch.empty(shape, dtype=torch.float32, device=q.device)
-    part_l = torch.empty(shape, dtype=torch.float32, device=q.device)
-    part_acc = torch.empty(shape + ((block_d,) if split else ()), dtype=torch.float32, device=q.device)
+    if split:
+        shape = (num_reqs, num_heads, num_splits)
+        part_m = torch.empty(shape, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(shape, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(shape + (block_d,), dtype=torch.float32, device=q.device)
+    else:  # the kernel writes no partials: out stands in for their pointers
+        part_m = part_l = part_acc = out
     _paged_decode_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(1),

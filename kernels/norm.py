@@ -1,6 +1,6 @@
 """RMSNorm with an optional fused residual add: torch reference and Triton kernel.
 
-Semantics are those of executor/models/layers.RMSNorm (and transformers'
+The reference defines what the model's RMSNorm computes (transformers'
 LlamaRMSNorm): with a residual, s = x + residual in x's dtype (as torch adds);
 then s is normalised in float32, cast back to s's dtype, and only then
 multiplied by weight, so the result rounds exactly where the model's does.

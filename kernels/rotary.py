@@ -1,6 +1,6 @@
 """Neox-style rotary embedding from a float32 cos/sin table: torch reference and Triton kernel.
 
-Semantics are those of executor/models/layers.RotaryEmbedding: for each token,
+The reference defines what the model's rotary embedding computes: for each token,
 cos, sin = cos_sin[position] split in halves, and each head x = (x1, x2) of
 q and k becomes (x1*cos - x2*sin, x2*cos + x1*sin), computed in float32 and
 cast back to x's dtype.

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from headrace.kernels.device import num_sms
+
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27, so (x < 2**32) * _MUL < 2**59
 
@@ -159,8 +161,7 @@ def _gumbel_sample_kernel(
 def _gumbel_num_chunks(num_rows: int, vocab_size: int, device: torch.device) -> int:
     """Enough (row, chunk) programs for eight per SM (the float64 hash math
     needs the occupancy to hide its latency), in whole BLOCKs of the vocabulary."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return max(1, min(-(-vocab_size // _VOCAB_BLOCK), -(-8 * sms // num_rows)))
+    return max(1, min(-(-vocab_size // _VOCAB_BLOCK), -(-8 * num_sms(device) // num_rows)))
 
 
 def gumbel_sample(
