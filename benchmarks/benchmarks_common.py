@@ -1,5 +1,8 @@
-"""Checkpoints the benchmarks share."""
+"""What the benchmarks share: the checkpoint, the ceilings, the floor, the step timeline."""
 from __future__ import annotations
+
+import statistics
+import time
 
 
 def qwen3_06b_checkpoint():
@@ -75,3 +78,55 @@ def gpu_busy(prof) -> tuple[float, float]:
             hi = max(hi, end)
     busy += hi - lo
     return busy / 1e6, (hi - first) / 1e6
+
+
+def measure_ceilings(device) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s)."""
+    import torch
+
+    src = torch.randn(2**28 // 2, device=device, dtype=torch.bfloat16)  # 256 MiB
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+
+    def timed(fn, n):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    bw = 2 * src.numel() * src.element_size() / timed(lambda: dst.copy_(src), 20)
+    rate = 2 * 8192**3 / timed(lambda: a @ b, 10)
+    return bw, rate
+
+
+class StepFloor:
+    """The floor of a step from what it computes: every weight read once, and
+    each row's cached KV, at the copy bandwidth; plus matmul FLOPs at the
+    matmul rate: two per weight per computed token for the layers, two per
+    LM-head weight only for rows that sample, and 4 * heads * head_dim per
+    layer for each (query, key) pair of attention."""
+
+    def __init__(self, core, bw: float, rate: float) -> None:
+        cfg = core.model_config
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
+        num_params = sum(p.numel() for p in core.executor.model.parameters())
+        self.head_params = cfg.vocab_size * cfg.hidden_size
+        # the embedding table is a lookup, not a matmul (tied: it is also the LM head)
+        self.layer_params = num_params - self.head_params * (1 if cfg.tie_word_embeddings else 2)
+        self.kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * core.executor.dtype.itemsize
+        self.attn_flops_per_pair = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+        self.bw, self.rate = bw, rate
+
+    def seconds(self, steps: int, kv_tokens: int, tokens: int, sampled_rows: int, pairs: int) -> tuple[float, float]:
+        """(bytes term, FLOPs term) for `steps` steps reading kv_tokens cached tokens in all,
+        computing `tokens` tokens, sampling `sampled_rows` rows and attending over `pairs` pairs."""
+        t_bytes = (steps * self.weight_bytes + kv_tokens * self.kv_per_token) / self.bw
+        flops = 2 * self.layer_params * tokens + 2 * self.head_params * sampled_rows + self.attn_flops_per_pair * pairs
+        return t_bytes, flops / self.rate

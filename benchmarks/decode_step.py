@@ -4,11 +4,12 @@
 
 Default model: the Qwen3-0.6B shape with random bf16 weights (see
 logprobs_cost.py). For each (batch, context) whose KV cache fits, `batch`
-requests with `context - 1` prompt tokens are prefilled, then decode steps
-are timed with synchronised clocks (median of --steps). The floor is the
-time to read every weight and every cached KV byte once at the measured
-device-to-device copy bandwidth, plus the step's matmul FLOPs at the
-measured bf16 matmul rate; both ceilings are measured in the same run.
+requests with `context - 64` prompt tokens are prefilled (so that none
+finishes before the timed steps), then decode steps are timed. The floor
+(benchmarks_common.StepFloor) is the time to read every weight and every
+cached KV byte once at the measured device-to-device copy bandwidth, plus
+the step's matmul and attention FLOPs at the measured bf16 matmul rate;
+both ceilings are measured in the same run.
 Steps are timed in a row, synchronised only at both ends, with overlapped
 scheduling and then one step at a time; the GPU's idle time between the
 overlapped steps comes from CUDA events around each queued step.
@@ -18,34 +19,9 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import statistics
 import time
 
 import torch
-
-
-def measure_ceilings(device) -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s)."""
-    src = torch.randn(2**28 // 2, device=device, dtype=torch.bfloat16)  # 256 MiB
-    dst = torch.empty_like(src)
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-
-    def timed(fn, n):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    bw = 2 * src.numel() * src.element_size() / timed(lambda: dst.copy_(src), 20)
-    rate = 2 * 8192**3 / timed(lambda: a @ b, 10)
-    return bw, rate
 
 
 def timed_steps(core, steps: int) -> float:
@@ -90,7 +66,7 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="BATCHxCONTEXT[,...]: profile those points' decode steps")
     args = parser.parse_args()
 
-    from benchmarks_common import StepTimeline, qwen3_06b_checkpoint
+    from benchmarks_common import StepFloor, StepTimeline, measure_ceilings, qwen3_06b_checkpoint
     from headrace.core.config import EngineArgs, ModelConfig
     from headrace.core.engine import EngineCore
     from headrace.core.sampling_params import SamplingParams
@@ -113,7 +89,7 @@ def main() -> None:
             core = EngineCore(EngineArgs(model=model, device="cuda", max_num_seqs=batch,
                                          max_model_len=context, enable_prefix_caching=False,
                                          num_kv_blocks=batch * (-(-context // 16))))
-            weights = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
+            step_floor = StepFloor(core, bw, rate)
             timeline = StepTimeline(core)
             rng = random.Random(0)
             # Requests whose prefill ends early decode while the others prefill:
@@ -138,10 +114,8 @@ def main() -> None:
             single = timed_steps(core, args.steps)
             core.async_scheduling = True
             assert len(core.scheduler.running) == batch
-            # one multiply-add per weight per token (bf16: 2 bytes a weight), plus q.k and p.v over the context
-            flops = 2 * batch * (weights / 2) + 4 * batch * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
-            kv_bytes = cached * kv_per_token
-            t_bytes, t_flops = (weights + kv_bytes) / bw, flops / rate
+            # one decode token a row, each sampling and attending over its cached tokens
+            t_bytes, t_flops = step_floor.seconds(1, cached, batch, batch, cached)
             floor = t_bytes + t_flops
             bound = "memory" if t_bytes > t_flops else "compute"
             print(f"{batch:>5} {context:>7} {overlap * 1e3:8.3f} {single * 1e3:8.3f} {floor * 1e3:8.3f} "

@@ -28,7 +28,7 @@ def workload(n: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]
 
 
-def in_process(args, prompts) -> float:
+def in_process(args, prompts) -> tuple[float, int, float]:
     from headrace.core.config import EngineArgs
     from headrace.core.engine import EngineCore
     from headrace.core.sampling_params import SamplingParams
@@ -74,7 +74,7 @@ async def frontend(address: str, prompts, max_tokens: int) -> int:
         return sum(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def over_zmq(args, prompts, num_frontends: int) -> float:
+def over_zmq(args, prompts, num_frontends: int) -> tuple[float, int, float]:
     from headrace.frontend.async_engine import run
     from headrace.frontend.core_process import private_ipc_address
 

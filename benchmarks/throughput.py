@@ -10,7 +10,8 @@ max_model_len 4096; the Qwen3-0.6B shape with random bf16 weights.
 The floor comes from the schedule the engine actually ran: every step
 reads all weights once and each scheduled request's cached KV, at the
 device-to-device copy bandwidth measured in this run, plus the step's
-matmul FLOPs (two per weight per token) at the measured bf16 matmul rate.
+matmul and attention FLOPs at the measured bf16 matmul rate
+(benchmarks_common.StepFloor: the LM head counts only for sampling rows).
 The run is made with overlapped scheduling and again one step at a time,
 with the GPU's idle time between steps from CUDA events around each queued
 step. The peer is transformers' generate_batch on the first --peer-requests
@@ -25,9 +26,8 @@ import time
 
 import torch
 
-from benchmarks_common import StepTimeline, gpu_busy, qwen3_06b_checkpoint
-from decode_step import measure_ceilings
-from headrace.core.config import EngineArgs, ModelConfig
+from benchmarks_common import StepFloor, StepTimeline, gpu_busy, measure_ceilings, qwen3_06b_checkpoint
+from headrace.core.config import EngineArgs
 from headrace.core.engine import EngineCore
 from headrace.core.sampling_params import SamplingParams
 
@@ -40,10 +40,11 @@ def workload(n: int, seed: int = 0):
 
 
 class ScheduleRecorder:
-    """Per executed step: tokens computed and KV tokens read."""
+    """Over the executed steps: tokens computed, KV tokens read, rows that
+    sampled, and (query, key) pairs attended (causal within a chunk)."""
 
     def __init__(self, core: EngineCore) -> None:
-        self.tokens = self.kv_tokens = self.steps = 0
+        self.tokens = self.kv_tokens = self.steps = self.sampled_rows = self.pairs = 0
         execute = core.executor.execute
 
         def recording(sched):
@@ -51,7 +52,10 @@ class ScheduleRecorder:
             computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_reqs})
             self.steps += 1
             self.tokens += sched.total_num_scheduled_tokens
-            self.kv_tokens += sum(computed[rid] + n for rid, n in sched.num_scheduled_tokens.items())
+            self.sampled_rows += sum(sched.samples)
+            for rid, n in sched.num_scheduled_tokens.items():
+                self.kv_tokens += computed[rid] + n
+                self.pairs += n * computed[rid] + n * (n + 1) // 2
             return execute(sched)
 
         core.executor.execute = recording
@@ -104,18 +108,17 @@ def main() -> None:
     parser.add_argument("--peer-max-tokens", type=int, default=256)
     args = parser.parse_args()
     model = args.model or str(qwen3_06b_checkpoint())
-    cfg = ModelConfig.from_dir(model)
     bw, rate = measure_ceilings(torch.device("cuda"))
     # No prefix caching: the prompts share nothing, and repeated runs of the
     # same prompts must compute them again, as the peer does.
     core = EngineCore(EngineArgs(model=model, device="cuda", max_model_len=4096, max_num_seqs=256,
                                  enable_prefix_caching=False))
-    weights = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    step_floor = StepFloor(core, bw, rate)
     prompts, max_tokens = workload(args.num_requests)
     run_ours(core, prompts, [2] * len(prompts))  # warm-up: compiles the kernels for every prefill shape
     print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     timeline = StepTimeline(core)
+    overlapped_steps = 0
     for overlap in (True, False):
         core.async_scheduling = overlap
         rec = ScheduleRecorder(core)
@@ -123,7 +126,8 @@ def main() -> None:
         elapsed, out_tokens, _ = run_ours(core, prompts, max_tokens)
         idle, wall = timeline.idle()
         rec.detach()
-        floor = rec.steps * weights / bw + rec.kv_tokens * kv_per_token / bw + 2 * (weights / 2) * rec.tokens / rate
+        floor = sum(step_floor.seconds(rec.steps, rec.kv_tokens, rec.tokens, rec.sampled_rows, rec.pairs))
+        overlapped_steps = overlapped_steps or rec.steps
         print(f"headrace ({'overlapped' if overlap else 'one step at a time'}): {out_tokens} output tokens in "
               f"{elapsed:.2f} s = {out_tokens / elapsed:.0f} tok/s; {rec.steps} steps; floor {floor:.2f} s = "
               f"{out_tokens / floor:.0f} tok/s; time / floor = {elapsed / floor:.2f}; "
@@ -131,7 +135,7 @@ def main() -> None:
     core.async_scheduling = True
     # A profiled rerun (the profiler slows the host): a window with every request
     # decoding, and one in the tail where few are left.
-    windows = [(100, 50), (rec.steps - 150, 50)]
+    windows = [(100, 50), (overlapped_steps - 150, 50)]
     _, _, busy = run_ours(core, prompts, max_tokens, windows=windows)
     for (first, n), (gpu, wall) in zip(windows, busy):
         print(f"  overlapped, steps {first}-{first + n - 1} under the profiler: GPU idle {100 * (1 - gpu / wall):.1f}% "
