@@ -14,7 +14,6 @@ if not torch.cuda.is_available():
 import functools
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from headrace import LLM

@@ -1,8 +1,6 @@
 """Logits processors the tests register with engines (importable as tests.logits_plugins)."""
 from __future__ import annotations
 
-import torch
-
 from headrace.executor.logits_processors import LogitsProcessor, per_request
 
 

@@ -14,8 +14,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import math  # noqa: E402
-
 import pytest  # noqa: E402
 
 from tests.test_kernels import dense_causal_attention  # noqa: E402

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from headrace.testing import CORPUS, build_tokenizer, demo_checkpoint, make_checkpoint
+from tests.conftest import ARCHS
 
-ARCHS = ["llama", "qwen2", "qwen3"]
 SAMPLES = [
     "Hello, world! The river is low today.",
     "  leading spaces, trailing\ttabs\n\n",

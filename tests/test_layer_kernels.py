@@ -90,7 +90,6 @@ def test_cast_rtne_is_torchs_cast(dtype):
     bits[3100:3200] = 0x7F7F_0000 + bits[3100:3200] % 0x1_0000  # near float32 max: bf16 overflows to inf
     x = torch.where(bits % 2 == 0, bits, bits | (1 << 31)).to(torch.int32).view(torch.float32).clone()
     x[-4:] = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0])
-    x = x[torch.isfinite(x) | torch.isinf(x) | torch.isnan(x)]
     want = x.to(dtype)
     got = torch.empty_like(want, device=DEVICE)
     _cast_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), got, x.numel(), BLOCK=1024)

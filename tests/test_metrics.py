@@ -54,7 +54,7 @@ def start_core(model, address: str) -> tuple[subprocess.Popen, str, int]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, ckpt_dir):
+def served(tmp_path_factory):
     """A core and two frontends that ran requests; yields what they returned and their ports."""
     from headrace.testing import make_checkpoint
     from tests.conftest import ARCH_KWARGS
@@ -154,7 +154,7 @@ def test_scraped_totals_match_generation(served):
         assert ids == {served["frontend_ids"][key]}
 
 
-def test_metric_options_and_app_registry(served):
+def test_metric_options_and_app_registry():
     with pytest.raises(ValueError, match="not both"):
         AsyncEngine.connect("ipc:///nonexistent", metrics_port=0, metrics_registry=CollectorRegistry())
     # Two frontends in one application registry: one family, one label set each.
