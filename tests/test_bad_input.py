@@ -60,6 +60,9 @@ def test_engine_args_are_validated(checkpoint):
         (dict(num_kv_blocks=2, max_model_len=64), "num_kv_blocks=2 cannot hold one sequence"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in"),
         (dict(device="cpu", gpu_memory_utilization=0.5), "gpu_memory_utilization applies to a GPU"),
+        (dict(async_scheduling="no"), "async_scheduling must be True or False, got 'no'"),
+        (dict(enforce_eager=1), "enforce_eager must be True or False"),
+        (dict(enable_prefix_caching=None), "enable_prefix_caching must be True or False"),
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(path, **kwargs)
