@@ -44,10 +44,18 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._in_flight)
 
+    def close(self) -> None:
+        """Release the executor's device memory; the engine refuses work
+        afterwards (its owner, the core server, calls this on its way out).
+        Closing twice is harmless."""
+        self._in_flight.clear()  # steps never read back: their host copies and events
+        self.executor.close()
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float
     ) -> None:
         """Admit a request; raises ValueError, changing nothing, for one the core cannot serve."""
+        self.executor.check_open()
         vocab = self.model_config.vocab_size
         check_prompt(prompt_token_ids, self.sched_config.max_model_len, vocab, f"request {request_id!r}: the prompt")
         sp = sampling_params
@@ -98,6 +106,7 @@ class EngineCore:
     def abort(self, request_ids) -> list[str]:
         """Abort requests (all their samples) or single samples ("id#i");
         returns the ids given that were live."""
+        self.executor.check_open()
         aborted = []
         for rid in request_ids:
             children = self._families.get(rid, [rid])
@@ -116,6 +125,7 @@ class EngineCore:
             del self._families[parent]
 
     def step(self) -> list[EngineCoreOutput]:
+        self.executor.check_open()
         start = time.perf_counter()
         self._iteration = (0, 0, 0)
         try:

@@ -142,7 +142,8 @@ class CoreServer:
         self._stop.set()
 
     def serve_forever(self, parent_pid: int | None = None) -> None:
-        """Run the busy loop until stop(); with parent_pid, also until that process is gone."""
+        """Run the busy loop until stop() (with parent_pid, also until that
+        process is gone), then close the engine, releasing its device memory."""
         if self._io_thread is None:
             self.start_io()
         push = self._ctx.socket(zmq.PUSH)
@@ -164,6 +165,7 @@ class CoreServer:
             self._ctx.term()
             if self.metrics_server is not None:
                 self.metrics_server.close()
+            self.engine.close()  # the server owns the engine: its device memory goes with the loop
 
     # ---- busy loop side ----
 

@@ -15,6 +15,13 @@ from headrace.executor.attention import AttentionMetadata
 from headrace.executor.input_batch import InputBatch
 
 
+def clear_cublas_workspaces() -> None:
+    """Free the cuBLAS workspaces torch keeps for each (thread's handle,
+    stream) pair it has run a matmul on (32 MiB each on Hopper); torch
+    allocates them again when next needed."""
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 256 + 1, 16))
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
@@ -34,9 +41,16 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)  # one query a row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
+        # A captured matmul bakes in the cuBLAS workspace of the capture stream.
+        # Cleared before, that workspace is allocated during the capture, in
+        # this pool, and lives as long as these graphs; cleared after, no later
+        # capture (another engine's) bakes in a workspace that dies with ours,
+        # and the warm-up streams' workspaces are freed.
+        clear_cublas_workspaces()
         with torch.inference_mode():
             for size in sorted(capture_sizes(S), reverse=True):  # largest first: later ones reuse its pool
                 self.graphs[size] = self._capture(size, pool)
+        clear_cublas_workspaces()
 
     def _meta(self, n: int) -> AttentionMetadata:
         return AttentionMetadata(

@@ -1,6 +1,7 @@
 """The model runner: slots, staged writes, the model and the sampler, one step at a time."""
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +11,7 @@ from headrace import envs
 from headrace.core.config import ConfigError, EngineArgs, ModelConfig, SchedulerConfig
 from headrace.core.scheduler import SchedulerOutput
 from headrace.executor.attention import AttentionMetadata
-from headrace.executor.cuda_graphs import DecodeGraphs
+from headrace.executor.cuda_graphs import DecodeGraphs, clear_cublas_workspaces
 from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.models.loader import load_model
 from headrace.executor.sampler import SampledLogprobs, sample
@@ -103,6 +104,30 @@ class ModelRunner:
         if self.device.type == "cuda" and not args.enforce_eager:
             self.graphs = DecodeGraphs(self.model, sched_cfg.max_num_seqs, max_blocks_per_req,
                                        sched_cfg.max_model_len, self.device)
+        self.closed = False
+
+    def close(self) -> None:
+        """Drop every device tensor this runner holds (weights, KV cache, CUDA
+        graphs and their pool, slot and sampling state) and hand the memory
+        back to the device, so that the next engine in this process sizes its
+        KV pool from it. The slots' host bookkeeping stays readable; work is
+        refused. Closing twice is harmless."""
+        if self.closed:
+            return
+        self.closed = True
+        self.model = self.graphs = None
+        self.kv_caches = []
+        self.states.drop_device_tensors()
+        self.processors = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            gc.collect()  # tensors held only by reference cycles
+            clear_cublas_workspaces()
+            torch.cuda.empty_cache()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine has been shut down")
 
     def _num_blocks(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> int:
         per_seq = -(-sched_cfg.max_model_len // self.block_size)
@@ -134,6 +159,7 @@ class ModelRunner:
 
     def remove(self, req_ids) -> None:
         """Free the slots of requests that left (finished, aborted, preempted)."""
+        self.check_open()
         for req_id in req_ids:
             slot = self.states.remove(req_id)
             if slot is not None:
@@ -192,6 +218,7 @@ class ModelRunner:
         Host copies of the outputs are queued behind the step; collect()
         waits for them.
         """
+        self.check_open()
         states = self.states
         self.remove(sched.finished_req_ids)
         for new in sched.new_reqs:
@@ -226,6 +253,7 @@ class ModelRunner:
 
     def collect(self, pending: PendingOutput) -> ModelRunnerOutput:
         """Wait for a queued step's outputs: the step's one host sync."""
+        self.check_open()
         if pending.ready is not None:
             pending.ready.synchronize()
         sampled = pending.sampled.tolist()

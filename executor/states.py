@@ -112,3 +112,9 @@ class RequestStates:
         for tensor in self.staged:
             tensor.apply()
         self.sampling.apply_staged()
+
+    def drop_device_tensors(self) -> None:
+        """Free the device tensors, this state's and the sampling state's (the
+        engine shut down); the host-side slot bookkeeping stays readable."""
+        for tensor in self.staged + self.sampling.staged:
+            tensor.gpu = None

@@ -7,6 +7,7 @@ a private event loop thread talks to it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import weakref
@@ -23,6 +24,8 @@ from headrace.core.server import CoreServer
 from headrace.frontend.async_engine import AsyncEngine, Prompt, new_event_loop
 from headrace.frontend.core_process import private_ipc_address, remove_private_ipc
 from headrace.metrics.exporter import MetricsServer, check_metrics_options
+
+logger = logging.getLogger("headrace.frontend")
 
 
 class LLM:
@@ -77,7 +80,8 @@ class LLM:
         return self.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine's threads and remove its socket (also done when the LLM is collected)."""
+        """Stop the engine's threads, free its device memory and remove its
+        socket (also done when the LLM is collected)."""
         self._finalizer()
 
     def __enter__(self) -> LLM:
@@ -162,5 +166,7 @@ def _shutdown(core, core_thread, frontend, loop, loop_thread, address, directory
         loop.call_soon_threadsafe(loop.stop)
         loop_thread.join(timeout=5)
     core.stop()
-    core_thread.join(timeout=10)
+    core_thread.join(timeout=10)  # on its way out the core thread closes the engine, freeing its device memory
+    if core_thread.is_alive():
+        logger.warning("the engine core did not stop within 10 s; its device memory stays in use until it does")
     remove_private_ipc(address, directory)

@@ -1,0 +1,49 @@
+"""Shutting an engine down frees what its executor held, in this process or in a spawned core."""
+from __future__ import annotations
+
+import asyncio
+import weakref
+
+import pytest
+
+from headrace import LLM, AsyncEngine, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def test_llm_shutdown_frees_the_executor_and_a_second_llm_runs(checkpoint):
+    path = checkpoint("qwen3")
+    llm = LLM(path, max_model_len=128)
+    first = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine, runner = llm.engine, llm.engine.executor
+    num_blocks = engine.cache_config.num_blocks
+    held = [weakref.ref(t) for t in (runner.kv_caches[0], next(runner.model.parameters()),
+                                     runner.states.token_ids.gpu, runner.states.sampling.temperature.gpu)]
+    llm.shutdown()
+    # Gone while the test still holds the LLM, its engine and its runner.
+    assert [ref() for ref in held] == [None] * len(held)
+    assert runner.closed and runner.model is None and runner.graphs is None and not runner.kv_caches
+    for call in (engine.step, lambda: engine.add_request("late", [5, 6], GREEDY, 0.0), lambda: engine.abort(["x"]),
+                 lambda: runner.remove(["x"])):
+        with pytest.raises(RuntimeError, match="the engine has been shut down"):
+            call()
+    engine.close()  # closing again, or shutting down again, is harmless
+    llm.shutdown()
+
+    again = LLM(path, max_model_len=128)
+    assert again.engine.cache_config.num_blocks == num_blocks
+    assert again.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+def test_aclose_returns_once_the_spawned_core_has_exited(checkpoint):
+    """A spawned core's memory is freed when its process exits: aclose() waits for that."""
+
+    async def main():
+        engine = AsyncEngine.from_model(checkpoint("qwen3"), max_model_len=64)
+        async with engine:
+            outs = [o async for o in engine.generate([5, 6, 7], GREEDY)]
+            assert len(outs[-1].outputs[0].token_ids) == 8
+        return engine._process.proc
+
+    proc = asyncio.run(main())
+    assert proc.returncode == 0  # exited by itself on SIGTERM (closing its engine), not killed
