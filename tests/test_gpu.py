@@ -1,10 +1,15 @@
 """The engine on a CUDA device (skipped without one), against transformers in float32."""
 from __future__ import annotations
 
+import asyncio
+import gc
+
 import pytest
 import torch
 
-from headrace import LLM, SamplingParams
+from headrace import LLM, AsyncEngine, SamplingParams
+from headrace.core.config import ModelConfig
+from headrace.executor.model_runner import kv_block_bytes
 from tests.conftest import ARCHS, hf_greedy, hf_logprobs
 from tests.test_generate import LENGTHS, prompts_of_lengths
 
@@ -113,3 +118,69 @@ def test_cuda_graph_and_eager_paths_agree(checkpoint):
                 assert set(ex) == set(ey)
                 for tid in ex:
                     assert ex[tid].logprob == pytest.approx(ey[tid].logprob, abs=1e-4)
+
+
+MiB = 2**20
+
+
+def big_kv_checkpoint(checkpoint):
+    """A Qwen-style tiny model with a large KV cache per token (8 layers of 8
+    KV heads of 128: 128 MiB per 4096-token sequence in bfloat16)."""
+    return checkpoint("qwen3", num_layers=8, num_heads=8, num_kv_heads=8, head_dim=128, max_position_embeddings=4096)
+
+
+def test_llm_shutdown_releases_gpu_memory(checkpoint):
+    """After shutdown the process holds no more GPU memory than before the
+    LLM, allocated or reserved, although the test still holds the LLM; a
+    second LLM gets the same KV pool and the same greedy tokens.
+
+    The pool is min(utilization * total - allocated, free) less the
+    activations' peak: memory an earlier engine left reserved (not
+    allocated) counts only through `free`, so with utilization 0.6 a first
+    pool left behind would cut the second one to the rest of the card.
+    max_num_seqs is set so that the pool is sized by memory, not by it.
+    """
+    path = big_kv_checkpoint(checkpoint)
+    _, total = torch.cuda.mem_get_info()
+    blocks_per_seq = 4096 // 16
+    per_seq = kv_block_bytes(ModelConfig.from_dir(path), 16, torch.bfloat16) * blocks_per_seq
+    kwargs = dict(gpu_memory_utilization=0.6, max_num_seqs=-(-total // per_seq))
+    prompts = prompts_of_lengths(1000, [5, 40, 300], seed=41)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    gc.collect()  # or the first shutdown's collection frees what earlier tests left in cycles
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+    llm = LLM(path, **kwargs)
+    assert llm.engine.executor.graphs is not None
+    num_blocks = llm.engine.cache_config.num_blocks
+    assert num_blocks < kwargs["max_num_seqs"] * blocks_per_seq  # sized by memory
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert torch.cuda.memory_reserved() > reserved + 0.5 * total
+    llm.shutdown()
+    assert torch.cuda.memory_allocated() <= allocated + 4 * MiB
+    assert torch.cuda.memory_reserved() <= reserved + 32 * MiB
+
+    again = LLM(path, **kwargs)
+    assert again.engine.cache_config.num_blocks == num_blocks
+    assert [o.outputs[0].token_ids for o in again.generate(prompts, sp, use_tqdm=False)] == first
+
+
+def test_async_engine_aclose_frees_the_spawned_cores_gpu_memory(checkpoint):
+    """aclose() returns once the spawned core has exited, so the device's
+    free memory is back to what it was before the core started."""
+    path = big_kv_checkpoint(checkpoint)
+    free_before, _ = torch.cuda.mem_get_info()
+
+    async def main():
+        engine = AsyncEngine.from_model(path, max_model_len=256, num_kv_blocks=8192)  # a 4 GiB pool
+        async with engine:
+            outs = [o async for o in engine.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=8))]
+            assert len(outs[-1].outputs[0].token_ids) == 8
+            free_running, _ = torch.cuda.mem_get_info()
+        return engine._process.proc, free_running
+
+    proc, free_running = asyncio.run(main())
+    assert proc.returncode == 0  # exited by itself on SIGTERM, not killed
+    assert free_running < free_before - 4 * 2**30  # the core's memory shows from this process
+    free_after, _ = torch.cuda.mem_get_info()
+    assert free_after >= free_before - 64 * MiB
