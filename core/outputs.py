@@ -1,10 +1,13 @@
 """User-facing results, shaped as vLLM's: RequestOutput holds CompletionOutputs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 
-@dataclass
+
+@dataclass(slots=True)
 class Logprob:
     """One token's log-probability at one position, its rank among the
     vocabulary (1 = most likely) and its text."""
@@ -14,8 +17,78 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# One dict per generated position: token id -> Logprob.
-SampleLogprobs = list[dict[int, Logprob]]
+class Logprobs(Sequence):
+    """Logprobs of consecutive positions: position -> {token id: Logprob}.
+
+    Kept as the packed arrays that came over the wire; a position's dict
+    is built the first time it is read, so an application that never looks
+    at logprobs, or reads only a few positions, pays for no Python objects.
+    It reads like a list of dicts (len, indexing, slices, iteration, ==),
+    and list(logprobs) gives a plain one.
+
+    Row i holds the scored token (the sampled or the prompt token) in
+    column 0 and, in the other columns, the top-N in rank order or the
+    requested logprob_token_ids (which have no rank: `ranked` is False).
+    `num_empty` leading positions have no logprobs (None): the first prompt
+    token has no context.
+    """
+
+    __slots__ = ("_ids", "_values", "_ranks", "_ranked", "_text", "_num_empty", "_built")
+
+    def __init__(self, token_ids: np.ndarray, values: np.ndarray, ranks: np.ndarray, ranked: bool,
+                 token_text: Sequence[str], num_empty: int = 0) -> None:
+        self._ids = token_ids  # int32 [num, k]
+        self._values = values  # float32 [num, k]
+        self._ranks = ranks  # int32 [num]: rank of column 0
+        self._ranked = ranked
+        self._text = token_text  # token id -> decoded text
+        self._num_empty = num_empty
+        self._built: list[dict[int, Logprob] | None] | None = None  # rows built so far
+
+    def __len__(self) -> int:
+        return self._num_empty + len(self._ranks)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("logprobs index out of range")
+        row = index - self._num_empty
+        if row < 0:
+            return None
+        if self._built is None:
+            self._built = [None] * len(self._ranks)
+        entry = self._built[row]
+        if entry is None:
+            entry = self._built[row] = self._build(row)
+        return entry
+
+    def _build(self, row: int) -> dict[int, Logprob]:
+        ids, values, text = self._ids[row].tolist(), self._values[row].tolist(), self._text
+        ranked = self._ranked
+        entry = {t: Logprob(v, r if ranked else None, text[t]) for r, (t, v) in enumerate(zip(ids[1:], values[1:]), 1)}
+        scored, rank = ids[0], int(self._ranks[row])
+        if scored in entry:
+            entry[scored].rank = rank
+        else:
+            entry[scored] = Logprob(values[0], rank, text[scored])
+        return entry
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # mutable contents, like a list
+
+    def __repr__(self) -> str:
+        return f"Logprobs({list(self)!r})"
+
+
+# One dict per generated position: token id -> Logprob (a Logprobs, or a plain list).
+SampleLogprobs = Sequence[dict[int, Logprob]]
 
 
 @dataclass
@@ -50,4 +123,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)
+    prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = field(default=None)

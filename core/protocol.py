@@ -31,6 +31,12 @@ def unpack_ids(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i4")
 
 
+def unpack_id_list(data: bytes) -> list[int]:
+    if len(data) == 4:  # one new token: the common case
+        return [_INT32.unpack(data)[0]]
+    return np.frombuffer(data, dtype="<i4").tolist()
+
+
 def pack_floats(values) -> bytes:
     return np.asarray(values, dtype="<f4").tobytes()
 

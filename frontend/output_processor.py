@@ -1,21 +1,100 @@
-"""Per-request frontend state: detokenize, apply stop strings, build RequestOutputs."""
+"""Per-request frontend state: detokenize, apply stop strings, build RequestOutputs.
+
+The receive side calls RequestState.process() once per core output, which
+does only what cannot wait: decoding the new tokens' text, searching it for
+stop strings, and recording metrics. The RequestOutput is built when the
+consumer asks for it (output()), from everything that arrived since it last
+asked: a consumer slower than the core gets one merged delta (or the latest
+cumulative state), never a backlog of stale ones. Logprobs stay in the
+packed arrays they came in until then, and become Logprob objects only
+where the user reads them (core.outputs.Logprobs).
+"""
 from __future__ import annotations
 
-import functools
+import asyncio
 import time
 
-from headrace.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from headrace.core.protocol import EngineCoreOutput, unpack_floats, unpack_ids
+import numpy as np
+
+from headrace.core.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+from headrace.core.protocol import EngineCoreOutput, unpack_id_list, unpack_ids
 from headrace.core.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.detokenizer import IncrementalDetokenizer
 from headrace.metrics.stats import FrontendStats
 
 
 class TokenText:
-    """decoded_token strings for logprobs, cached per tokenizer."""
+    """Token id -> its text alone (tokenizer.decode([id])), for logprobs. A
+    fast tokenizer's whole table is decoded in one batched call, so no decode
+    runs per logprob entry; other tokenizers decode on first use and cache.
+    Ids the tokenizer does not know decode to ""."""
 
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is not None and hasattr(backend, "decode_batch") \
+                and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            size = max(vocab_size, len(tokenizer))
+            self.of = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        else:
+            self.of = _DecodeCache(tokenizer)
+
+
+class _DecodeCache(dict):
     def __init__(self, tokenizer) -> None:
-        self.of = functools.lru_cache(maxsize=1 << 16)(lambda tid: tokenizer.decode([tid]))
+        super().__init__()
+        self._tokenizer = tokenizer
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+class _LogprobRows:
+    """A sample's logprob rows: packed parts as they arrive, copied into
+    growing arrays when an output is built. Outputs get views of the rows
+    they show; rows once written never change, so views stay valid."""
+
+    def __init__(self, ranked: bool, token_text: TokenText) -> None:
+        self._ranked, self._text = ranked, token_text.of
+        self._parts: list[EngineCoreOutput] = []  # arrived, not copied yet
+        self._ids = np.empty((0, 0), np.int32)  # [capacity, k]: the scored token, then top-N or requested ids
+        self._values = np.empty((0, 0), np.float32)  # [capacity, k]
+        self._ranks = np.empty(0, np.int32)  # [capacity]: the scored token's rank
+        self.num = 0  # rows copied
+        self.cumulative = 0.0  # sum of the copied rows' sampled logprobs, in order
+
+    def add(self, out: EngineCoreOutput) -> None:
+        self._parts.append(out)
+
+    def rows(self, start: int) -> Logprobs:
+        """Rows [start, every row arrived)."""
+        if self._parts:
+            self._copy_parts()
+        end = self.num
+        return Logprobs(self._ids[start:end], self._values[start:end], self._ranks[start:end], self._ranked,
+                        self._text)
+
+    def _copy_parts(self) -> None:
+        parts, self._parts = self._parts, []
+        ranks = unpack_ids(_join([p.sampled_ranks for p in parts]))
+        m, n = len(ranks), self.num
+        ids = unpack_ids(_join([p.logprob_token_ids for p in parts])).reshape(m, -1)
+        values = np.frombuffer(_join([p.logprobs for p in parts]), "<f4").reshape(m, -1)
+        if n + m > len(self._ranks):  # grow (k is fixed for a request)
+            cap, k = max(2 * len(self._ranks), n + m, 16), ids.shape[1]
+            grown = np.empty((cap, k), np.int32), np.empty((cap, k), np.float32), np.empty(cap, np.int32)
+            if n:
+                for new, old in zip(grown, (self._ids, self._values, self._ranks)):
+                    new[:n] = old[:n]
+            self._ids, self._values, self._ranks = grown
+        self._ids[n : n + m], self._values[n : n + m], self._ranks[n : n + m] = ids, values, ranks
+        self.num = n + m
+        for v in np.frombuffer(_join([p.sampled_logprobs for p in parts]), "<f4").tolist():
+            self.cumulative += v
+
+
+def _join(chunks: list[bytes]) -> bytes:
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class _Sample:
@@ -25,10 +104,8 @@ class _Sample:
         self.index = index
         self.params = params
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
-        self._token_text = token_text
-        wants = params.num_logprobs is not None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if wants else None
-        self.cumulative_logprob = 0.0 if wants else None
+        ranked = params.logprob_token_ids is None  # requested ids have no rank, top-N their place
+        self._logprobs = _LogprobRows(ranked, token_text) if params.num_logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stopped_by_string = False  # the frontend ended it; the core must be told to abort
@@ -38,6 +115,7 @@ class _Sample:
         self._text_end: int | None = None  # where a stop string cut the text
         self.sent_text = 0
         self.sent_tokens = 0
+        self._finish_sent = False
         self.last_token_time: float | None = None  # core timestamp of the step that sent the last token
 
     @property
@@ -49,11 +127,10 @@ class _Sample:
         return self.detok.token_ids  # the detokenizer keeps the ids it decodes
 
     def process(self, out: EngineCoreOutput) -> None:
-        new_ids = unpack_ids(out.new_token_ids).tolist()
-        if self.logprobs is not None and out.logprobs:
-            self._add_logprobs(out, len(new_ids))
+        if self._logprobs is not None and out.logprobs:
+            self._logprobs.add(out)
         before = len(self.detok.text)
-        self.detok.add(new_ids)
+        self.detok.add(unpack_id_list(out.new_token_ids))
         if out.finish_reason is not None:
             self.detok.flush()
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
@@ -71,48 +148,47 @@ class _Sample:
         self.stopped_by_string = self.finish_reason is None
         self.finish_reason, self.stop_reason = "stop", s
 
-    def _add_logprobs(self, out: EngineCoreOutput, num_new: int) -> None:
-        ids = unpack_ids(out.logprob_token_ids).reshape(num_new, -1)
-        lps = unpack_floats(out.logprobs).reshape(num_new, -1)
-        ranks = unpack_ids(out.sampled_ranks)
-        sampled_lps = unpack_floats(out.sampled_logprobs)
-        chosen = self.params.logprob_token_ids is not None  # requested ids have no rank, top-N their place
-        for row in range(num_new):
-            entry = {int(t): Logprob(float(v), None if chosen else r)
-                     for r, (t, v) in enumerate(zip(ids[row, 1:], lps[row, 1:]), 1)}
-            sampled = int(ids[row, 0])
-            if sampled in entry:
-                entry[sampled].rank = int(ranks[row])
-            else:
-                entry[sampled] = Logprob(float(lps[row, 0]), int(ranks[row]))
-            for tid, lp in entry.items():
-                lp.decoded_token = self._token_text.of(tid)
-            self.logprobs.append(entry)
-            self.cumulative_logprob += float(sampled_lps[row])
-
     def text(self) -> str:
         text = self.detok.text
         return text if self._text_end is None else text[: self._text_end]
+
+    @property
+    def logprobs(self) -> Logprobs | None:
+        """Every position's logprobs so far (the cumulative view)."""
+        return self._logprobs.rows(0) if self._logprobs is not None else None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self._logprobs is None:
+            return None
+        self._logprobs.rows(0)  # join what arrived
+        return self._logprobs.cumulative
+
+    def has_news(self) -> bool:
+        """Whether an output built now would show something not shown yet."""
+        return len(self.token_ids) > self.sent_tokens or self.finished and not self._finish_sent
 
     def completion(self, kind: RequestOutputKind) -> CompletionOutput | None:
         """What to show of this sample now; None for DELTA with nothing new."""
         text = self.text()
         visible = len(text) if self.finished else max(self.sent_text, len(text) - self._hold)
+        ids = self.token_ids
+        lp = self._logprobs
         if kind == RequestOutputKind.DELTA:
-            text_out = text[self.sent_text : visible]
-            ids_out = self.token_ids[self.sent_tokens :]
-            lps_out = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
-            if not text_out and not ids_out and not self.finished:
+            if visible == self.sent_text and len(ids) == self.sent_tokens \
+                    and (not self.finished or self._finish_sent):
                 return None
+            text_out, ids_out = text[self.sent_text : visible], ids[self.sent_tokens :]
+            lps_out = lp.rows(self.sent_tokens) if lp is not None else None
         else:
-            text_out, ids_out = text[:visible], list(self.token_ids)
-            lps_out = list(self.logprobs) if self.logprobs is not None else None
-        self.sent_text, self.sent_tokens = visible, len(self.token_ids)
+            text_out, ids_out = text[:visible], list(ids)
+            lps_out = lp.rows(0) if lp is not None else None
+        self.sent_text, self.sent_tokens, self._finish_sent = visible, len(ids), self.finished
         return CompletionOutput(
             index=self.index,
             text=text_out,
             token_ids=ids_out,
-            cumulative_logprob=self.cumulative_logprob,
+            cumulative_logprob=lp.cumulative if lp is not None else None,
             logprobs=lps_out,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
@@ -120,6 +196,10 @@ class _Sample:
 
 
 class RequestState:
+    """A request in the frontend, from submission until its consumer has its
+    last output. process() runs on the receive side; the consumer waits with
+    wait() and takes outputs with output()."""
+
     def __init__(
         self,
         request_id: str,
@@ -137,14 +217,18 @@ class RequestState:
         self.kind = params.output_kind
         self.samples = [_Sample(i, params, tokenizer, token_text) for i in range(params.n)]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_logprobs: Logprobs | None = None
         self._token_text = token_text
         self.stopped_by_string: list[str] = []  # "id#i" (or "id") of samples a stop string ended
         self.stats: FrontendStats | None = None  # where request-level metrics go, if anywhere
+        self.error: BaseException | None = None  # raised to the consumer once its outputs are taken
+        self._num_unfinished = params.n
+        self._final_sent = False
+        self._waiter: asyncio.Future | None = None
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
+        return self._num_unfinished == 0
 
     # The first (for n = 1, the only) sample's fields.
     finish_reason = property(lambda self: self.samples[0].finish_reason)
@@ -159,18 +243,25 @@ class RequestState:
         for s in self.samples:
             if not s.finished:
                 s.finish_reason = reason
+        self._num_unfinished = 0
 
     def abort(self) -> None:
         """End every unfinished sample as aborted and record the request's metrics."""
         self.finish("abort")
         self.record_finished()
+        self.notify()
 
-    def process(self, out: EngineCoreOutput, timestamp: float | None = None) -> RequestOutput | None:
-        """Take one core output (of the step that ended at core time timestamp);
-        returns what to hand the consumer, if anything."""
+    def fail(self, error: BaseException) -> None:
+        """End the request with an error for its consumer."""
+        self.error = error
+        self._num_unfinished = 0
+        self.notify()
+
+    def process(self, out: EngineCoreOutput, timestamp: float | None = None) -> None:
+        """Take one core output (of the step that ended at core time timestamp)."""
         sample = self.samples[out.index]
         if sample.finished:
-            return None  # e.g. tokens the core produced before it saw our abort
+            return  # e.g. tokens the core produced before it saw our abort
         sample.process(out)
         m = self.metrics
         if self.stats is not None and timestamp:
@@ -185,9 +276,10 @@ class RequestState:
             self.stopped_by_string.append(self.request_id if self.params.n == 1 else f"{self.request_id}#{out.index}")
         m.first_scheduled_time = m.first_scheduled_time or out.first_scheduled_time
         m.first_token_time = m.first_token_time or out.first_token_time
-        if self.finished:
-            m.finished_time = out.finished_time or m.finished_time
-        return self.output()
+        if sample.finished:
+            self._num_unfinished -= 1
+            if self._num_unfinished == 0:
+                m.finished_time = out.finished_time or m.finished_time
 
     def record_finished(self) -> None:
         """Record the request-level metrics of a request that just finished (or was aborted)."""
@@ -204,28 +296,49 @@ class RequestState:
     def _add_prompt_logprobs(self, out: EngineCoreOutput) -> None:
         ranks = unpack_ids(out.prompt_ranks)
         ids = unpack_ids(out.prompt_logprob_token_ids).reshape(len(ranks), -1)
-        scores = unpack_floats(out.prompt_logprobs).reshape(len(ranks), -1)
-        result: list[dict[int, Logprob] | None] = [None]  # the first prompt token has no context
-        chosen = self.params.logprob_token_ids is not None  # requested ids have no rank
-        for row in range(len(ranks)):
-            entry = {int(t): Logprob(float(v), None if chosen else r, self._token_text.of(int(t)))
-                     for r, (t, v) in enumerate(zip(ids[row, 1:], scores[row, 1:]), 1)}
-            target = int(ids[row, 0])
-            if target in entry:
-                entry[target].rank = int(ranks[row])
-            else:
-                entry[target] = Logprob(float(scores[row, 0]), int(ranks[row]), self._token_text.of(target))
-            result.append(entry)
-        self.prompt_logprobs = result
+        scores = np.frombuffer(out.prompt_logprobs, "<f4").reshape(len(ranks), -1)
+        ranked = self.params.logprob_token_ids is None  # requested ids have no rank
+        # The first prompt token has no context: its entry is None.
+        self.prompt_logprobs = Logprobs(ids, scores, ranks, ranked, self._token_text.of, num_empty=1)
+
+    # ---- the consumer's side ----
+
+    def notify(self) -> None:
+        """Wake the consumer, if it waits."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until process(), abort() or fail() has something for the consumer."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    @property
+    def done(self) -> bool:
+        """The consumer has had the last output (or the error is all that is left)."""
+        return self._final_sent or (self.error is not None and not self._has_news())
+
+    def _has_news(self) -> bool:
+        if self.kind == RequestOutputKind.FINAL_ONLY:
+            return self.finished and self.error is None and not self._final_sent
+        return not self._final_sent and any(s.has_news() for s in self.samples)
 
     def output(self) -> RequestOutput | None:
-        finished = self.finished
-        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+        """Everything new since the last output, as output_kind says; None if nothing is."""
+        if self.error is not None and self.kind == RequestOutputKind.FINAL_ONLY:
             return None
+        if not self._has_news():
+            return None
+        finished = self.finished and self.error is None
         kind = RequestOutputKind.CUMULATIVE if self.kind == RequestOutputKind.FINAL_ONLY else self.kind
         completions = [c for s in self.samples if (c := s.completion(kind)) is not None]
         if not completions and not finished:
             return None
+        self._final_sent = finished
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

@@ -120,17 +120,58 @@ def test_stream_equals_decode(tok, mode, skip):
 
 
 def test_a_tokenizer_with_clean_up_decodes_through_transformers(tok):
-    """The direct backend decode is only for tokenizers without the clean-up
+    """The Rust decode stream is only for tokenizers without the clean-up
     pass; one with it goes through tokenizer.decode, and the stream still
     adds up to that."""
-    assert IncrementalDetokenizer(tok)._decode.__name__ == "_backend_decode"
+    assert IncrementalDetokenizer(tok)._stream is not None
     cleaning = copy.deepcopy(tok)
     cleaning.clean_up_tokenization_spaces = True
     text = "a , b . c ! don ' t"
     ids = cleaning.encode(text)
     deltas, tail, d = _stream(cleaning, ids, _chunks(len(ids), None))
-    assert d._decode.__name__ == "_decode"
+    assert d._stream is None
     assert "".join(deltas) + tail == cleaning.decode(ids)
+
+
+class _CountingStream:
+    """Wraps a DecodeStream: counts step() calls, and raises at call number fail_at."""
+
+    def __init__(self, stream, fail_at: int | None = None) -> None:
+        self.stream, self.fail_at, self.calls = stream, fail_at, 0
+
+    def step(self, backend, token_id):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("decoder rewrote earlier text")
+        return self.stream.step(backend, token_id)
+
+
+def test_one_decode_call_per_token(tok):
+    """A fast tokenizer decodes each token with one call into its backend's
+    decode stream, and no other decode until flush()."""
+    for text in TEXTS:
+        ids = tok.encode(text)
+        d = IncrementalDetokenizer(tok)
+        counter = d._stream = _CountingStream(d._stream)
+        d._decode = None  # any window decode would fail
+        deltas = [d.add(ids[i : i + n]) for i, n in zip(range(0, len(ids), 3), [3] * len(ids))]
+        assert counter.calls == len(ids)
+        del d._decode
+        assert "".join(deltas) + d.flush() == tok.decode(ids)
+
+
+def test_a_failing_decode_stream_falls_back_to_windows(tok):
+    """A decode stream that raises part way (a decoder that rewrites earlier
+    text) hands over to window decoding: nothing emitted is lost or repeated."""
+    for text in TEXTS:
+        ids = tok.encode(text)
+        for fail_at in {1, len(ids) // 2 + 1, len(ids)}:
+            d = IncrementalDetokenizer(tok)
+            d._stream = _CountingStream(d._stream, fail_at)
+            deltas = [d.add([t]) for t in ids]
+            assert d._stream is None
+            assert "".join(deltas) + d.flush() == tok.decode(ids), (text, fail_at)
+            assert FFFD not in "".join(deltas)
 
 
 def test_skipped_specials_inside_a_character(tok):
@@ -210,7 +251,8 @@ def test_literal_replacement_character(tok):
 
 
 def _state(tok, **params) -> RequestState:
-    return RequestState("req-0", "a prompt", [5, 6, 7], SamplingParams(**params), tok, TokenText(tok), time.time())
+    return RequestState("req-0", "a prompt", [5, 6, 7], SamplingParams(**params), tok, TokenText(tok, len(tok)),
+                        time.time())
 
 
 def _core_output(ids, finish=None, stop_reason=None, **kw) -> EngineCoreOutput:
@@ -218,12 +260,18 @@ def _core_output(ids, finish=None, stop_reason=None, **kw) -> EngineCoreOutput:
                             stop_reason=stop_reason, **kw)
 
 
+def _take(state, out):
+    state.process(out)
+    return state.output()
+
+
 def _feed(state, ids, sizes, finish="length", stop_reason=None) -> list:
-    """process() each chunk; the last carries the core's finish. Returns what process returned."""
+    """process() each chunk, the last with the core's finish, and take an output after each
+    (a consumer that keeps up). Returns those outputs (None where there was nothing new)."""
     outs, pos = [], 0
     for k, n in enumerate(sizes):
         last = k == len(sizes) - 1
-        outs.append(state.process(_core_output(ids[pos : pos + n], finish if last else None,
+        outs.append(_take(state, _core_output(ids[pos : pos + n], finish if last else None,
                                                stop_reason if last else None)))
         pos += n
     assert pos == len(ids)
@@ -266,7 +314,7 @@ def test_output_kinds(tok, kind, skip):
         else:
             assert outs[:-1] == [None] * (len(outs) - 1)
             assert len(comps) == 1 and comps[0].text == final and comps[0].token_ids == ids
-        assert state.process(_core_output(tok.encode(" more"), "length")) is None  # finished: ignored
+        assert _take(state, _core_output(tok.encode(" more"), "length")) is None  # finished: ignored
 
 
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
@@ -344,7 +392,7 @@ def test_stop_string(tok, text, stop, cjk, kind, include):
             assert len(got) == 1 and last.text == expected
         if include:
             assert state.final_text().endswith(stop)
-        assert state.process(_core_output(tok.encode(" tail"), "length")) is None
+        assert _take(state, _core_output(tok.encode(" tail"), "length")) is None
         assert state.finish_reason == "stop" and state.final_text() == expected
 
 
@@ -433,7 +481,7 @@ def test_logprobs(tok, kind):
         if not part:
             break
         pos += len(part)
-        outs.append(state.process(_core_output(
+        outs.append(_take(state, _core_output(
             [r[0] for r in part],
             "length" if pos == len(ids) else None,
             logprob_token_ids=pack_ids([[r[0], *r[3]] for r in part]),
@@ -465,3 +513,44 @@ def test_logprobs(tok, kind):
     assert state.cumulative_logprob == pytest.approx(expected, abs=1e-9)
     full = "".join(c.text for c in got) if kind == RequestOutputKind.DELTA else got[-1].text
     assert full == tok.decode(ids)
+
+
+def test_token_text_table(tok):
+    """The logprobs' decoded_token table: each id's text alone, as decode([id])
+    gives it, also for ids the model has beyond the tokenizer."""
+    table = TokenText(tok, len(tok) + 7).of
+    assert len(table) == len(tok) + 7
+    assert all(table[i] == tok.decode([i]) for i in range(len(tok) + 7))
+
+
+def _lp_output(ids, finish=None):
+    """A core output for ids with logprobs=1: the sampled token (rank 1) and the next id."""
+    return _core_output(ids, finish, logprob_token_ids=pack_ids([[t, (t + 1) % 1000] for t in ids]),
+                        logprobs=pack_floats([[-0.5, -1.5] for _ in ids]), sampled_ranks=pack_ids([1] * len(ids)),
+                        sampled_logprobs=pack_floats([-0.5] * len(ids)))
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_outputs_merge_when_the_consumer_lags(tok, kind):
+    """Several core outputs arrive before the consumer asks: it gets one output
+    with everything since its last (DELTA), or the latest state (CUMULATIVE)."""
+    ids = tok.encode(CORPUS[12] + " " + EXTRA[3])
+    state = _state(tok, output_kind=kind, logprobs=1)
+    first = _take(state, _lp_output(ids[:5]))
+    for i in range(5, len(ids), 2):
+        state.process(_lp_output(ids[i : i + 2], "length" if i + 2 >= len(ids) else None))
+    last = state.output()
+    assert state.output() is None  # nothing new since
+    assert last.finished and last.outputs[0].finish_reason == "length"
+    c = last.outputs[0]
+    if kind == RequestOutputKind.FINAL_ONLY:
+        assert first is None
+    if kind == RequestOutputKind.DELTA:
+        assert first.outputs[0].token_ids + c.token_ids == ids
+        assert first.outputs[0].text + c.text == tok.decode(ids)
+        assert len(c.logprobs) == len(ids) - 5
+    else:
+        assert c.token_ids == ids and c.text == tok.decode(ids) and len(c.logprobs) == len(ids)
+    assert all(set(e) == {t, (t + 1) % 1000} and e[t].rank == 1 for e, t in zip(c.logprobs, ids[-len(c.logprobs):]))
+    assert c.cumulative_logprob == pytest.approx(-0.5 * len(ids))
+    assert list(c.logprobs) == c.logprobs[:] and c.logprobs == list(c.logprobs)
