@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from headrace.core.config import EngineArgs
 from headrace.core.outputs import RequestOutput
-from headrace.core.protocol import Ready, RequestError, StepOutputs
+from headrace.core.protocol import Ready, RequestError, Stats, StepOutputs
 from headrace.core.request import check_prompt
 from headrace.core.sampling_params import SamplingParams, check_token_ids
 from headrace.frontend.client import EngineClient, EngineDeadError
@@ -81,9 +81,10 @@ class AsyncEngine:
         self._start_lock: asyncio.Lock | None = None
         self.tokenizer = None
         self.info: Ready | None = None
-        self._states: dict[str, tuple[RequestState, asyncio.Queue]] = {}
+        self._states: dict[str, RequestState] = {}  # live requests: not finished, not failed
         self._ids = itertools.count()
         self._token_text: TokenText | None = None
+        self._output_task: asyncio.Task | None = None
 
     @classmethod
     def from_model(cls, model: str, *, metrics_port: int | None = None, metrics_registry=None,
@@ -117,14 +118,19 @@ class AsyncEngine:
         async with self._start_lock:
             if self._client is None:
                 alive = self._process.alive if self._process is not None else None
-                client = EngineClient(self.address, self._on_outputs, self._on_error, self._on_dead, alive)
+                client = EngineClient(self.address, alive)
                 self.info = await client.start()
-                self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.info.tokenizer)
-                self._token_text = TokenText(self.tokenizer)
+                try:
+                    self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.info.tokenizer)
+                    self._token_text = await asyncio.to_thread(TokenText, self.tokenizer, self.info.vocab_size)
+                except BaseException:
+                    await client.close()
+                    raise
                 if self._stats is not None:
                     with self._stats.lock:
                         self._stats.model_name = self.info.model
                 self._client = client
+                self._output_task = asyncio.get_running_loop().create_task(self._receive_outputs())
         return self.info
 
     @property
@@ -139,34 +145,44 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request, as sampling_params.output_kind says.
 
-        Breaking out of the loop or cancelling the consuming task aborts
-        the request in the core.
+        A consumer slower than the engine gets merged outputs: one DELTA with
+        everything since its last, or the latest CUMULATIVE state. Breaking
+        out of the loop or cancelling the consuming task aborts the request
+        in the core.
         """
-        state, queue = await self.add_request(prompt, sampling_params, request_id)
+        state = await self.add_request(prompt, sampling_params, request_id)
+        async for out in self.outputs(state):
+            yield out
+
+    async def outputs(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of a submitted request (see generate)."""
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
+                out = state.output()
+                if out is not None:
+                    yield out
+                    if out.finished:
+                        return
+                elif state.error is not None:
+                    raise state.error
+                else:
+                    await state.wait()
         finally:
-            if not state.finished and self._states.pop(state.request_id, None) is not None:
+            if self._states.get(state.request_id) is state:
+                del self._states[state.request_id]
                 state.abort()
                 if not self.is_dead:
-                    # Fire and forget: a cancelled task cannot await.
-                    asyncio.get_running_loop().create_task(self._client.abort([state.request_id]))
+                    self._client.abort([state.request_id])
 
     async def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                          request_id: str | None = None) -> tuple[RequestState, asyncio.Queue]:
-        """Submit one request; returns its state and the queue its outputs arrive on."""
+                          request_id: str | None = None) -> RequestState:
+        """Submit one request; returns its state (stream it with outputs())."""
         await self.start()
         text, token_ids = self.tokenize(prompt)
         return await self.submit(text, token_ids, sampling_params, request_id)
 
     async def submit(self, text: str | None, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                     request_id: str | None = None) -> tuple[RequestState, asyncio.Queue]:
+                     request_id: str | None = None) -> RequestState:
         """Submit an already tokenized and validated prompt."""
         self._check_alive()
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -181,14 +197,9 @@ class AsyncEngine:
         arrival = time.time()
         state = RequestState(request_id, text, token_ids, params, self.tokenizer, self._token_text, arrival)
         state.stats = self._stats
-        queue: asyncio.Queue = asyncio.Queue()
-        self._states[request_id] = (state, queue)
-        try:
-            await self._client.add(request_id, token_ids, params, arrival)
-        except BaseException:
-            self._states.pop(request_id, None)
-            raise
-        return state, queue
+        self._client.add(request_id, token_ids, params, arrival)
+        self._states[request_id] = state
+        return state
 
     def _resolve_params(self, params: SamplingParams) -> SamplingParams:
         """Check token ids against the vocabulary and tokenize bad_words."""
@@ -238,11 +249,9 @@ class AsyncEngine:
         if unknown:
             raise KeyError(f"unknown request ids: {unknown}")
         self._check_alive()
-        await self._client.abort(ids)
+        self._client.abort(ids)
         for rid in ids:
-            state, queue = self._states.pop(rid)
-            state.abort()
-            queue.put_nowait(state.output())
+            self._states.pop(rid).abort()
 
     async def stats(self):
         """The core's counters (requests, KV blocks, slots)."""
@@ -251,8 +260,15 @@ class AsyncEngine:
         return await self._client.stats()
 
     async def aclose(self) -> None:
+        """Leave the core (stopping it, if this engine spawned it); requests still
+        running fail with EngineDeadError."""
+        if self._output_task is not None:
+            self._output_task.cancel()
+            await asyncio.gather(self._output_task, return_exceptions=True)
+            self._output_task = None
         if self._client is not None:
             await self._client.close()
+            self._fail_all(EngineDeadError("the engine was closed"))
             self._client = None
         if self._process is not None:
             await asyncio.to_thread(self._process.shutdown)
@@ -276,34 +292,60 @@ class AsyncEngine:
         if self._client is not None and self._client.dead is not None:
             raise EngineDeadError(str(self._client.dead))
 
-    # ---- callbacks from the client's receive task ----
+    # ---- the receive side: one task takes what the client's I/O thread received ----
 
-    def _on_outputs(self, msg: StepOutputs) -> None:
+    async def _receive_outputs(self) -> None:
+        client = self._client
+        while True:
+            for msg in await client.receive():
+                if isinstance(msg, StepOutputs):
+                    await self._on_outputs(msg)
+                elif isinstance(msg, RequestError):
+                    state = self._states.pop(msg.request_id, None)
+                    if state is not None:
+                        state.fail(ValueError(msg.message))
+                elif isinstance(msg, Stats):
+                    client.on_stats(msg)
+                elif isinstance(msg, EngineDeadError):
+                    client.fail_waiters(msg)
+                    self._fail_all(msg)
+                    return
+
+    async def _on_outputs(self, msg: StepOutputs) -> None:
+        """Hand one step's outputs to their requests, yielding to the event loop
+        between chunks so consumers (and the application) run meanwhile. A
+        request aborted during a yield ignores the rest: its state is finished."""
+        states = self._states
+        pairs = [(out, state) for out in msg.outputs if (state := states.get(out.request_id)) is not None]
         aborts = []
-        for out in msg.outputs:
-            entry = self._states.get(out.request_id)
-            if entry is None:
-                continue
-            state, queue = entry
-            result = state.process(out, msg.timestamp)
-            if result is not None:
-                queue.put_nowait(result)
-            if state.stopped_by_string:
-                aborts += state.stopped_by_string
-                state.stopped_by_string = []
-            if state.finished:
-                del self._states[out.request_id]
-                state.record_finished()
-        if aborts:
-            asyncio.get_running_loop().create_task(self._client.abort(aborts))
+        for start in range(0, len(pairs), _CHUNK):
+            if start:
+                await asyncio.sleep(0)
+            for out, state in pairs[start : start + _CHUNK]:
+                try:
+                    state.process(out, msg.timestamp)
+                except Exception as e:  # a bug must cost this request, not the stream of every other
+                    logger.exception("failed to process the output of request %r", state.request_id)
+                    if states.get(state.request_id) is state:
+                        del states[state.request_id]
+                        aborts.append(state.request_id)
+                    state.fail(e)
+                    continue
+                if state.stopped_by_string:
+                    aborts += state.stopped_by_string
+                    state.stopped_by_string = []
+                if state.finished and states.get(state.request_id) is state:
+                    del states[state.request_id]
+                    state.record_finished()
+                state.notify()
+        if aborts and not self.is_dead:
+            self._client.abort(aborts)
 
-    def _on_error(self, msg: RequestError) -> None:
-        entry = self._states.pop(msg.request_id, None)
-        if entry is not None:
-            entry[1].put_nowait(ValueError(msg.message))
-
-    def _on_dead(self, err: EngineDeadError) -> None:
-        for state, queue in self._states.values():
-            queue.put_nowait(EngineDeadError(str(err)))
+    def _fail_all(self, err: EngineDeadError) -> None:
+        for state in self._states.values():
+            state.fail(EngineDeadError(str(err)))
         self._states.clear()
 
+
+# Outputs handled between two yields to the event loop: about a millisecond of work.
+_CHUNK = 64

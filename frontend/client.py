@@ -1,22 +1,36 @@
-"""The frontend's connection to an engine core (asyncio, ZeroMQ DEALER).
+"""The frontend's connection to an engine core.
 
-One background task reads the socket and hands messages to the owner's
-callbacks; another sends heartbeats and watches the core's: silence longer
-than the heartbeat timeout, a CoreExit message, or the exit of a core
-process this frontend spawned all mark the core dead, and every pending
-and later call then fails with EngineDeadError.
+A thread of its own owns the ZeroMQ DEALER socket, as the core's I/O thread
+owns its ROUTER: it makes the handshake, forwards what the event loop sends,
+pings the core every heartbeat interval, reads whatever the core sends, and
+hands decoded messages to the event loop in batches. Every frame from the
+core counts as a sign of life. Liveness is thus a matter of the two
+processes, not of how busy the event loop is: a loop blocked for seconds
+neither loses its core nor is dropped by it, and catches up when it runs.
+
+The core is declared dead when it is silent for longer than the heartbeat
+timeout, says CoreExit, or (for a core this frontend spawned) exits. From
+then on every call fails with EngineDeadError, and receive() hands the
+error to the loop after the messages that came before it.
+
+Threads: the event loop's thread sends through an inproc PAIR socket that
+only it uses; the I/O thread reads the other end. Received messages go the
+other way through a deque, with a wake-up scheduled on the loop only when
+the deque was not already due to be drained.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 
 import zmq
-import zmq.asyncio
 
 from headrace import envs
 from headrace.core.protocol import (
@@ -26,12 +40,11 @@ from headrace.core.protocol import (
     CoreExit,
     GetStats,
     Goodbye,
+    Heartbeat,
     Hello,
     Ping,
     Ready,
-    RequestError,
     Stats,
-    StepOutputs,
     encode,
     from_core_decoder,
     pack_ids,
@@ -39,6 +52,7 @@ from headrace.core.protocol import (
 from headrace.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("headrace.frontend")
+_STOP = b""  # on the inproc socket: the loop asks the I/O thread to say Goodbye and end
 
 
 class EngineDeadError(RuntimeError):
@@ -46,87 +60,194 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(
-        self,
-        address: str,
-        on_outputs: Callable[[StepOutputs], None],
-        on_error: Callable[[RequestError], None],
-        on_dead: Callable[[EngineDeadError], None],
-        is_core_alive: Callable[[], bool] | None = None,
-    ) -> None:
+    def __init__(self, address: str, is_core_alive: Callable[[], bool] | None = None) -> None:
         self.address = address
         self.identity = uuid.uuid4().bytes
         self.ready: Ready | None = None
-        self.dead: EngineDeadError | None = None
-        self._on_outputs, self._on_error, self._on_dead = on_outputs, on_error, on_dead
+        self.dead: EngineDeadError | None = None  # set by the I/O thread
         self._is_core_alive = is_core_alive
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._stats_waiters: list[asyncio.Future] = []
-        self._last_heard = 0.0
+        self._ctx: zmq.Context | None = None
+        self._to_io: zmq.Socket | None = None  # the loop's end of the inproc pair
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: deque = deque()  # decoded messages (and a final EngineDeadError) for the loop
+        self._wake = asyncio.Event()
+        self._wake_due = False  # a wake-up is scheduled on the loop and has not run yet
+        self._stats_waiters: deque[asyncio.Future] = deque()
 
     async def start(self, timeout: float = 600.0) -> Ready:
         """Connect and handshake; waits for a starting core to load its model."""
-        self._ctx = zmq.asyncio.Context()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.address)
-        self._sock = sock
-        deadline = time.monotonic() + timeout
-        hello = encode(Hello(protocol=PROTOCOL_VERSION, pid=os.getpid()))
-        await sock.send(hello)
-        next_hello = time.monotonic() + 2.0
-        while self.ready is None:
-            if self._is_core_alive is not None and not self._is_core_alive():
-                raise EngineDeadError("the engine core process exited during start-up (see its log above)")
-            if time.monotonic() > deadline:
-                raise EngineDeadError(f"no engine core answered at {self.address} within {timeout:.0f}s")
-            if await sock.poll(200):
-                msg = self._decode(await sock.recv())
-                if isinstance(msg, Ready):
-                    self.ready = msg
-            elif time.monotonic() > next_hello:  # a core that binds late missed the first Hello
-                await sock.send(hello)
-                next_hello = time.monotonic() + 2.0
-        self._last_heard = time.monotonic()
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_loop())]
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
+        pair = f"inproc://headrace-client-{self.identity.hex()}"
+        self._to_io = self._ctx.socket(zmq.PAIR)
+        self._to_io.setsockopt(zmq.SNDHWM, 0)  # never block the loop: the I/O thread drains it
+        self._to_io.bind(pair)
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._io_main, args=(pair, started, timeout),
+                                        name="headrace-frontend-io", daemon=True)
+        self._thread.start()
+        try:
+            self.ready = await asyncio.wrap_future(started)
+        except BaseException:
+            await self.close()
+            raise
         return self.ready
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  arrival_time: float) -> None:
-        await self._send(AddRequest(request_id=request_id, prompt_token_ids=pack_ids(prompt_token_ids),
-                                    sampling_params=params, arrival_time=arrival_time))
+    # ---- the event loop's side ----
 
-    async def abort(self, request_ids: list[str]) -> None:
-        await self._send(Abort(request_ids=list(request_ids)))
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> None:
+        self._send(AddRequest(request_id=request_id, prompt_token_ids=pack_ids(prompt_token_ids),
+                              sampling_params=params, arrival_time=arrival_time))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(Abort(request_ids=list(request_ids)))
 
     async def stats(self) -> Stats:
-        fut = asyncio.get_running_loop().create_future()
+        fut = self._loop.create_future()
         self._stats_waiters.append(fut)
-        await self._send(GetStats())
+        self._send(GetStats())
         return await fut
 
-    async def close(self) -> None:
-        if self._sock is None:
-            return
-        if self.dead is None:
-            try:
-                await asyncio.wait_for(self._sock.send(encode(Goodbye())), 1.0)
-            except (asyncio.TimeoutError, zmq.ZMQError):
-                pass
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._sock.close(linger=0)
-        self._ctx.term()
-        self._sock = None
+    def on_stats(self, msg: Stats) -> None:
+        """Answer the oldest stats() call still waiting."""
+        while self._stats_waiters:
+            fut = self._stats_waiters.popleft()
+            if not fut.done():
+                fut.set_result(msg)
+                return
 
-    async def _send(self, msg) -> None:
+    async def receive(self) -> list:
+        """The messages received since the last call, oldest first; waits for one.
+        The last item is an EngineDeadError once the core is dead."""
+        inbox = self._inbox
+        while not inbox:
+            self._wake.clear()
+            if inbox:  # arrived before the clear, its wake-up already spent
+                break
+            await self._wake.wait()
+        return [inbox.popleft() for _ in range(len(inbox))]
+
+    def _send(self, msg) -> None:
         if self.dead is not None:
             raise self.dead
-        await self._sock.send(encode(msg))
+        self._to_io.send(encode(msg))
+
+    async def close(self) -> None:
+        """Say Goodbye (if the core lives), end the I/O thread, close the sockets."""
+        if self._to_io is None:
+            return
+        if self._thread is not None and self._thread.is_alive():
+            self._to_io.send(_STOP)
+            await asyncio.to_thread(self._thread.join, 5.0)
+        self._to_io.close(linger=0)
+        self._to_io = None
+        if self._thread is None or not self._thread.is_alive():
+            self._ctx.term()  # would wait for the I/O thread's sockets
+        else:
+            logger.warning("the frontend I/O thread did not stop; leaving its sockets")
+        self.fail_waiters(self.dead or EngineDeadError("the engine client is closed"))
+
+    def fail_waiters(self, err: EngineDeadError) -> None:
+        """Fail the stats() calls still waiting (the core died, or we leave)."""
+        for fut in self._stats_waiters:
+            if not fut.done():
+                fut.set_exception(err)
+        self._stats_waiters.clear()
+
+    def _wake_loop(self) -> None:
+        self._wake_due = False
+        self._wake.set()
+
+    # ---- the I/O thread ----
+
+    def _io_main(self, pair: str, started: concurrent.futures.Future, timeout: float) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
+        sock.setsockopt(zmq.SNDHWM, 0)  # a slow core delays requests; it never drops them
+        sock.connect(self.address)
+        from_loop = self._ctx.socket(zmq.PAIR)
+        from_loop.connect(pair)
+        try:
+            try:
+                ready = self._handshake(sock, from_loop, timeout)
+            except BaseException as e:
+                started.set_exception(e)
+                return
+            if ready is None:
+                started.set_exception(EngineDeadError("the engine client was closed during start-up"))
+                return
+            started.set_result(ready)
+            self._serve(sock, from_loop)
+        finally:
+            from_loop.close(linger=0)
+            # Let a Goodbye reach the core; a dead core gets nothing.
+            sock.close(linger=1000 if self.dead is None else 0)
+
+    def _handshake(self, sock: zmq.Socket, from_loop: zmq.Socket, timeout: float) -> Ready | None:
+        """Hello until Ready (a core that binds late misses the first); None if the loop stopped us."""
+        deadline = time.monotonic() + timeout
+        hello = encode(Hello(protocol=PROTOCOL_VERSION, pid=os.getpid()))
+        sock.send(hello)
+        next_hello = time.monotonic() + 2.0
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(from_loop, zmq.POLLIN)
+        while True:
+            if self._is_core_alive is not None and not self._is_core_alive():
+                raise EngineDeadError("the engine core process exited during start-up (see its log above)")
+            now = time.monotonic()
+            if now > deadline:
+                raise EngineDeadError(f"no engine core answered at {self.address} within {timeout:.0f}s")
+            events = dict(poller.poll(200))
+            if from_loop in events and _STOP in _drain(from_loop):
+                return None
+            if sock in events:
+                for frame in _drain(sock):
+                    msg = self._decode(frame)
+                    if isinstance(msg, Ready):
+                        return msg
+            elif now > next_hello:
+                sock.send(hello)
+                next_hello = now + 2.0
+
+    def _serve(self, sock: zmq.Socket, from_loop: zmq.Socket) -> None:
+        """Until the loop says stop or the core is dead."""
+        interval, timeout = envs.heartbeat_interval(), envs.heartbeat_timeout()
+        ping = encode(Ping())
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(from_loop, zmq.POLLIN)
+        last_heard = time.monotonic()
+        next_ping = last_heard + interval
+        while True:
+            events = dict(poller.poll(max(0.0, next_ping - time.monotonic()) * 1000))
+            now = time.monotonic()
+            if sock in events:
+                frames = _drain(sock)
+                last_heard = now
+                msgs = []
+                for frame in frames:
+                    msg = self._decode(frame)
+                    if isinstance(msg, CoreExit):
+                        self._deliver(msgs)
+                        return self._die(f"the engine core exited: {msg.reason}")
+                    if msg is not None and not isinstance(msg, Heartbeat):
+                        msgs.append(msg)
+                self._deliver(msgs)
+            if from_loop in events:
+                for frame in _drain(from_loop):
+                    if frame == _STOP:
+                        sock.send(encode(Goodbye()), zmq.NOBLOCK)
+                        return
+                    sock.send(frame, zmq.NOBLOCK)
+            if now >= next_ping:
+                next_ping = now + interval
+                if self._is_core_alive is not None and not self._is_core_alive():
+                    return self._die("the engine core process exited")
+                if now - last_heard > timeout:
+                    return self._die(f"the engine core has been silent for {now - last_heard:.1f}s")
+                sock.send(ping, zmq.NOBLOCK)
 
     def _decode(self, payload: bytes):
         try:
@@ -135,45 +256,29 @@ class EngineClient:
             logger.warning("dropped a malformed message from the engine core")
             return None
 
-    async def _recv_loop(self) -> None:
-        while True:
-            msg = self._decode(await self._sock.recv())
-            self._last_heard = time.monotonic()
-            if isinstance(msg, StepOutputs):
-                self._on_outputs(msg)
-            elif isinstance(msg, RequestError):
-                self._on_error(msg)
-            elif isinstance(msg, Stats):
-                while self._stats_waiters:
-                    fut = self._stats_waiters.pop(0)
-                    if not fut.done():
-                        fut.set_result(msg)
-                        break
-            elif isinstance(msg, CoreExit):
-                self._die(EngineDeadError(f"the engine core exited: {msg.reason}"))
-                return
-
-    async def _watch_loop(self) -> None:
-        interval, timeout = envs.heartbeat_interval(), envs.heartbeat_timeout()
-        ping = encode(Ping())
-        while True:
-            await asyncio.sleep(interval)
-            if self._is_core_alive is not None and not self._is_core_alive():
-                self._die(EngineDeadError("the engine core process exited"))
-                return
-            silent = time.monotonic() - self._last_heard
-            if silent > timeout:
-                self._die(EngineDeadError(f"the engine core has been silent for {silent:.1f}s"))
-                return
-            await self._sock.send(ping)
-
-    def _die(self, err: EngineDeadError) -> None:
-        if self.dead is not None:
+    def _deliver(self, msgs: list) -> None:
+        if not msgs:
             return
-        self.dead = err
+        self._inbox.extend(msgs)
+        if not self._wake_due:
+            self._wake_due = True
+            try:
+                self._loop.call_soon_threadsafe(self._wake_loop)
+            except RuntimeError:  # the loop is closed: nobody is left to tell
+                pass
+
+    def _die(self, reason: str) -> None:
+        err = EngineDeadError(reason)
         logger.error("%s", err)
-        for fut in self._stats_waiters:
-            if not fut.done():
-                fut.set_exception(err)
-        self._stats_waiters.clear()
-        self._on_dead(err)
+        self.dead = err
+        self._deliver([err])
+
+
+def _drain(sock: zmq.Socket) -> list[bytes]:
+    """Every frame waiting on sock."""
+    frames = []
+    while True:
+        try:
+            frames.append(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return frames

@@ -125,15 +125,13 @@ class LLM:
             for (text, ids), sp in zip(inputs, params):
                 submitted.append(await frontend.submit(text, ids, sp))
             results = []
-            for state, queue in submitted:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                results.append(item)
+            for state in submitted:
+                async for out in frontend.outputs(state):  # FINAL_ONLY: one output
+                    results.append(out)
                 bar.update(1)
             return results
         except BaseException:
-            live = [s.request_id for s, _ in submitted if frontend.is_running(s.request_id)]
+            live = [s.request_id for s in submitted if frontend.is_running(s.request_id)]
             if live and not frontend.is_dead:
                 await frontend.abort(live)
             raise

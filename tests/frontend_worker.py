@@ -29,7 +29,7 @@ async def stream(address: str, prompts: list) -> None:
 
 
 async def hang(address: str) -> None:
-    """Submit 16 long requests, say so once the first streams, then stall."""
+    """Submit 64 long requests, say so once the first streams, then keep streaming."""
     engine = AsyncEngine.connect(address)
     sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     first = asyncio.Event()
@@ -38,7 +38,7 @@ async def hang(address: str) -> None:
         async for _ in engine.generate([5, 6, 7, 8 + i], sp):
             first.set()
 
-    tasks = [asyncio.create_task(one(i)) for i in range(16)]
+    tasks = [asyncio.create_task(one(i)) for i in range(64)]
     await first.wait()
     print("streaming", flush=True)
     await asyncio.gather(*tasks)

@@ -9,7 +9,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -22,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from headrace import AsyncEngine, SamplingParams
 from headrace.metrics import names
+from tests.cores import start_core
 
 DASHBOARD = Path(__file__).parent.parent / "metrics" / "grafana" / "headrace.json"
 SHARED = "The river is low today and the boats wait at the pier for rain. " * 2  # prefix-cache hits
@@ -41,16 +41,12 @@ def total(samples: dict, name: str) -> float:
     return sum(v for _, v in samples.get(name, []))
 
 
-def start_core(model, address: str) -> tuple[subprocess.Popen, str, int]:
-    cmd = [sys.executable, "-m", "headrace.frontend.cli", "core", "--model", str(model), "--address", address,
-           "--max-model-len", "256", "--block-size", "8", "--metrics-port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "serving" in line, f"core did not start: {line!r}"
+def start_core_with_metrics(model, address: str) -> tuple[subprocess.Popen, str, int]:
+    proc, address = start_core(model, address, "--metrics-port", "0")
     metrics_line = proc.stdout.readline()
     m = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", metrics_line)
     assert m, f"core did not print its metrics port: {metrics_line!r}"
-    return proc, line.rsplit(" at ", 1)[1].strip(), int(m.group(1))
+    return proc, address, int(m.group(1))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +57,7 @@ def served(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("metrics")
     model = make_checkpoint(tmp / "ckpt", "qwen3", **ARCH_KWARGS["qwen3"])
-    proc, address, core_port = start_core(model, f"ipc://{tmp}/core.sock")
+    proc, address, core_port = start_core_with_metrics(model, f"ipc://{tmp}/core.sock")
     prompts = {"a": ["Hello there", "今天天气很好", SHARED + "first"], "b": [SHARED + "second", [5, 6, 7, 8, 9]]}
     # The frontends' loop keeps running between tests (heartbeats), on a thread of its own.
     loop = asyncio.new_event_loop()

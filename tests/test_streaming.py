@@ -20,26 +20,11 @@ from headrace import LLM, AsyncEngine, EngineDeadError, RequestOutputKind, Sampl
 from headrace.core.protocol import AddRequest, Hello, PROTOCOL_VERSION, encode, pack_ids
 from headrace.testing.checkpoint import make_scripted_checkpoint
 from tests.conftest import hf_greedy
+from tests.cores import start_core, stop, wait_until_idle
 
 WORKER = str(Path(__file__).with_name("frontend_worker.py"))
 PROMPTS_A = ["The river is low today.", "今天天气很好，我们去河边散步吧。", [7, 8, 9, 10, 11] * 9]
 PROMPTS_B = ["東京から大阪まで", "Emoji 👍🏽 and family 👨‍👩‍👧", "def f(x):\n    return x"]
-
-
-def start_core(model, address: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    """`headrace core` in its own process; returns it and the address it serves."""
-    cmd = [sys.executable, "-m", "headrace.frontend.cli", "core", "--model", str(model), "--address", address,
-           "--max-model-len", "256", "--block-size", "8", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert "serving" in line, f"core did not start: {line!r}"
-    return proc, line.rsplit(" at ", 1)[1].strip()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture
@@ -47,18 +32,6 @@ def core(checkpoint, tmp_path):
     proc, address = start_core(checkpoint("qwen3"), f"ipc://{tmp_path}/core.sock")
     yield proc, address
     stop(proc)
-
-
-async def wait_until_idle(engine: AsyncEngine, timeout: float = 10.0):
-    """Poll the core until no request runs or waits and every KV block is free."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = await engine.stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks \
-                and s.num_slots_used == 0:
-            return s
-        assert time.monotonic() < deadline, f"core still busy: {s}"
-        await asyncio.sleep(0.1)
 
 
 def test_two_frontend_processes_stream_their_own_requests(core, checkpoint, hf_model):
@@ -146,10 +119,10 @@ def test_bad_input_is_refused_and_disturbs_nothing(core):
             with pytest.raises(ValueError, match="temperature"):
                 SamplingParams(temperature=-1)
             # A prompt the frontend would refuse, sent straight to the core, is refused there.
-            state, queue = await engine.submit(None, [5] * 300, sp, request_id="raw")
+            state = await engine.submit(None, [5] * 300, sp, request_id="raw")
             with pytest.raises(ValueError, match="max_model_len is 256"):
-                item = await queue.get()
-                raise item
+                await engine.outputs(state).__anext__()
+            assert not engine.is_running("raw")
             rest = [o async for o in long_run]
             final = rest[-1].outputs[0].token_ids
             assert final[: len(first.outputs[0].token_ids)] == first.outputs[0].token_ids  # cumulative
@@ -262,7 +235,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_frontend_killed_midstream_core_aborts_its_requests(checkpoint, tmp_path):
-    # One request at a time: the worker's 16 x 200 tokens take far longer than
+    # One request at a time: the worker's 64 x 200 tokens take far longer than
     # the heartbeat timeout, so an idle core means they were aborted.
     proc, address = start_core(checkpoint("qwen3"), f"ipc://{tmp_path}/core.sock", "--max-num-seqs", "1")
     worker = subprocess.Popen([sys.executable, WORKER, "hang", address], stdout=subprocess.PIPE, text=True)
@@ -271,7 +244,7 @@ def test_frontend_killed_midstream_core_aborts_its_requests(checkpoint, tmp_path
     async def main():
         async with AsyncEngine.connect(address) as engine:
             s = await engine.stats()
-            assert s.num_running + s.num_waiting == 16 and s.num_frontends == 2
+            assert s.num_running + s.num_waiting == 64 and s.num_frontends == 2
             worker.kill()
             worker.wait()
             s = await wait_until_idle(engine, timeout=8)
