@@ -111,6 +111,7 @@ def make_checkpoint(
     initializer_range: float = 0.1,
     max_shard_size: str | int | None = None,
     attention_bias: bool | None = None,
+    full_vocab_tokenizer: bool = False,
     **extra_config: Any,
 ) -> Path:
     """Build a random-weight checkpoint of `arch` ("llama", "qwen2" or "qwen3") in `path`.
@@ -118,7 +119,10 @@ def make_checkpoint(
     Returns `Path(path)`. If `path` already holds a complete build with the same arguments it
     is returned as is; otherwise the factory's files there are (re)written.
 
-    - vocab_size is `len(tokenizer)`; bos/eos/pad ids come from the tokenizer (0, 1, 2).
+    - vocab_size is `len(tokenizer)` unless given in extra_config; bos/eos/pad ids come from the
+      tokenizer (0, 1, 2).
+    - full_vocab_tokenizer fills the tokenizer with synthetic tokens up to the vocab_size given
+      (`build_tokenizer(fill_to=)`), so that every id the model can sample has text.
     - head_dim defaults to hidden_size // num_heads (Qwen3Config's own default, 128, would not
       fit a tiny model).
     - rope: config.json gets a single `"rope_parameters"` dict, e.g.
@@ -146,6 +150,8 @@ def make_checkpoint(
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size ({hidden_size}) is not divisible by num_heads ({num_heads})")
         head_dim = hidden_size // num_heads
+    if full_vocab_tokenizer and "vocab_size" not in extra_config:
+        raise ValueError("full_vocab_tokenizer needs a vocab_size to fill the tokenizer to")
     path = Path(path)
 
     if _is_complete(path, factory_args):
@@ -158,7 +164,7 @@ def make_checkpoint(
     for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
 
-    tokenizer = build_tokenizer(path)
+    tokenizer = build_tokenizer(path, fill_to=extra_config["vocab_size"] if full_vocab_tokenizer else None)
     config_kwargs: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -12,10 +12,14 @@ makes every loader (TokenizersBackend for llama/qwen3, Qwen2Tokenizer for qwen2)
 """
 from __future__ import annotations
 
+import json
+import random
+import re
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 # Imported, not copied: it must stay what Qwen2Tokenizer uses (GPT-4-like; digits split singly).
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
@@ -97,11 +101,67 @@ def _train(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 1000) -> PreTrainedTokenizerFast:
+# What fill_to adds: words (an ASCII word piece plus a learned letters-only piece, half of them led
+# by the byte-level space marker, at most MAX_WORD_CHARS long) and, for CJK_SHARE of the new
+# tokens, byte slices of CJK text that often start or end inside a character.
+MAX_WORD_CHARS = 9
+CJK_SHARE = 0.1
+
+
+def _is_cjk(ch: str) -> bool:
+    """CJK punctuation, kana, ideographs, Hangul, fullwidth forms: three UTF-8 bytes each."""
+    return "\u3000" <= ch <= "\ud7af" or "\uff00" <= ch <= "\uffef"
+
+
+def _fill(tok: Tokenizer, size: int) -> Tokenizer:
+    """`tok` with deterministic synthetic merges appended until its vocabulary has `size` entries.
+
+    Every new token is the merge of two tokens already there, so encoding stays lossless; the
+    learned merges keep their ranks, and the new ones come after them.
+    """
+    data = json.loads(tok.to_str())
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]  # token -> id, [[left, right]]
+    learned = sorted(t for t in vocab if re.fullmatch("Ġ?[A-Za-z]+", t))
+    pools = {True: [t for t in learned if t[0] == "Ġ"], False: [t for t in learned if t[0] != "Ġ"]}
+    suffixes = list(pools[False])
+    byte_char = bytes_to_unicode()
+    cjk_chars = sorted({ch for text in CORPUS for ch in text if _is_cjk(ch)})
+    rng = random.Random(0)
+    num_learned, num_cjk = len(vocab), 0
+
+    def add(left: str, right: str) -> None:
+        vocab[left + right] = len(vocab)
+        merges.append([left, right])
+
+    while len(vocab) < size:
+        if num_cjk < CJK_SHARE * (len(vocab) - num_learned):
+            chars = "".join(rng.choice(cjk_chars) for _ in range(rng.randint(1, 2)))
+            encoded = "".join(byte_char[b] for b in chars.encode())
+            piece = encoded[rng.randrange(3):len(encoded) - rng.randrange(3)]
+            # Built one byte at a time, so each step merges two tokens that exist.
+            for end in range(2, len(piece) + 1):
+                if piece[:end] not in vocab and len(vocab) < size:
+                    add(piece[:end - 1], piece[end - 1])
+                    num_cjk += 1
+        else:
+            spaced = rng.random() < 0.5
+            pool = pools[spaced]  # in the order added: the earlier, the shorter; favour those
+            left, right = pool[int(len(pool) * rng.random() ** 3)], rng.choice(suffixes)
+            if left + right not in vocab and len(left + right) <= MAX_WORD_CHARS:
+                add(left, right)
+                pools[spaced].append(left + right)
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 1000, fill_to: int | None = None) -> PreTrainedTokenizerFast:
     """Train the test tokenizer on `CORPUS`, save it to `out_dir` and return it.
 
-    Deterministic: the same `vocab_size` writes the same files every time. `vocab_size` is an
+    Deterministic: the same arguments write the same files every time. `vocab_size` is an
     upper bound (specials + 256 bytes + merges); the corpus may run out of merges first.
+    `fill_to` then extends the trained vocabulary with synthetic merges to exactly that many
+    entries, so that a model with a large vocabulary samples no id the tokenizer does not know:
+    mostly ASCII words (half with a leading space) and some byte slices of CJK text, which
+    split characters across tokens as real tokenizers do.
     Special tokens `<|bos|>`, `<|eos|>`, `<|pad|>`, `<|im_start|>`, `<|im_end|>` have ids 0..4.
     There is no post-processor: `encode` never adds bos/eos by itself, callers add them.
     There is no unk token (byte-level BPE needs none); tokenizer_config.json says so with
@@ -109,8 +169,13 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1000) -> PreTrainedTo
     """
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
+    trained = _train(vocab_size)
+    if fill_to is not None:
+        if fill_to < trained.get_vocab_size():
+            raise ValueError(f"fill_to ({fill_to}) is below the trained vocabulary ({trained.get_vocab_size()})")
+        trained = _fill(trained, fill_to)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train(vocab_size),
+        tokenizer_object=trained,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,

@@ -134,3 +134,31 @@ def test_demo_checkpoint(tmp_path, monkeypatch):
     (path / "model.safetensors").unlink()
     assert demo_checkpoint() == path and (path / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["demo-qwen3"]
+
+
+def test_tokenizer_fill(tmp_path):
+    """fill_to: exactly that many tokens, the specials unchanged, lossless, deterministic."""
+    build_tokenizer(tmp_path / "a", fill_to=3000)
+    build_tokenizer(tmp_path / "b", fill_to=3000)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert len(tok) == 3000
+    assert tok.convert_ids_to_tokens(list(range(5))) == ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+    for s in (*CORPUS, *SAMPLES):
+        assert tok.decode(tok.encode(s)) == s
+    texts = [tok.decode([i]) for i in range(len(tok))]
+    assert all(texts)
+    filled = texts[len(build_tokenizer(tmp_path / "unfilled")):]
+    assert sum(t.isascii() for t in filled) > 0.8 * len(filled)
+    assert sum(t.startswith(" ") for t in filled) > 0.3 * len(filled)
+    assert any("\ufffd" in t for t in filled)  # CJK pieces that end inside a character
+    with pytest.raises(ValueError):
+        build_tokenizer(tmp_path / "c", fill_to=999)
+
+
+def test_full_vocab_checkpoint(tmp_path):
+    path = make_checkpoint(tmp_path, "qwen3", vocab_size=3000, full_vocab_tokenizer=True)
+    assert AutoConfig.from_pretrained(path).vocab_size == len(AutoTokenizer.from_pretrained(path)) == 3000
+    with pytest.raises(ValueError):
+        make_checkpoint(tmp_path / "no-size", "qwen3", full_vocab_tokenizer=True)
