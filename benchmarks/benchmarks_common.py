@@ -1,7 +1,13 @@
-"""What the benchmarks share: the checkpoint, the ceilings, the floor, the step timeline."""
+"""What the benchmarks share: the checkpoint, the workload, the ceilings, the
+floor, the step timeline, and the processes of the serving benchmarks."""
 from __future__ import annotations
 
+import contextlib
+import json
+import random
 import statistics
+import subprocess
+import sys
 import time
 
 
@@ -21,6 +27,39 @@ def qwen3_06b_checkpoint():
                            tie_word_embeddings=True, vocab_size=151936, max_position_embeddings=4096,
                            dtype=torch.bfloat16, initializer_range=0.02, rope_theta=1000000.0,
                            full_vocab_tokenizer=True)
+
+
+def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """The small-engine community's workload: (prompts, max_tokens) of n requests,
+    prompts of uniform [100, 1024] random token ids in [0, 10000), max_tokens
+    uniform [100, 1024]. Run with temperature 0.6, ignore_eos, max_model_len 4096."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+    max_tokens = [rng.randint(100, 1024) for _ in range(n)]
+    return prompts, max_tokens
+
+
+class ScheduleRecorder:
+    """Over the executed steps: tokens computed, KV tokens read, rows that
+    sampled, and (query, key) pairs attended (causal within a chunk)."""
+
+    def __init__(self, core) -> None:
+        self.tokens = self.kv_tokens = self.steps = self.sampled_rows = self.pairs = 0
+        execute = core.executor.execute
+
+        def recording(sched):
+            computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
+            computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_reqs})
+            self.steps += 1
+            self.tokens += sched.total_num_scheduled_tokens
+            self.sampled_rows += sum(sched.samples)
+            for rid, n in sched.num_scheduled_tokens.items():
+                self.kv_tokens += computed[rid] + n
+                self.pairs += n * computed[rid] + n * (n + 1) // 2
+            return execute(sched)
+
+        core.executor.execute = recording
+        self.detach = lambda: setattr(core.executor, "execute", execute)
 
 
 class StepTimeline:
@@ -133,3 +172,51 @@ class StepFloor:
         t_bytes = (steps * self.weight_bytes + kv_tokens * self.kv_per_token) / self.bw
         flops = 2 * self.layer_params * tokens + 2 * self.head_params * sampled_rows + self.attn_flops_per_pair * pairs
         return t_bytes, flops / self.rate
+
+
+@contextlib.contextmanager
+def core_process(model: str, device: str, *flags: str):
+    """A `headrace core` process serving model on a private ipc socket, started
+    as a user starts one (flags: more of its options); yields its address once
+    it serves, and stops it on leaving."""
+    from headrace.frontend.core_process import private_ipc_address, remove_private_ipc
+
+    address, directory = private_ipc_address()
+    proc = subprocess.Popen([sys.executable, "-m", "headrace.frontend.cli", "core", "--model", model,
+                             "--address", address, "--device", device, *flags], stdout=subprocess.PIPE, text=True)
+    try:
+        if "serving" not in proc.stdout.readline():
+            raise RuntimeError(f"the core did not start (exit status {proc.wait()})")
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait()
+        remove_private_ipc(address, directory)
+
+
+def run_workers(cmd: list[str], jobs: list) -> tuple[float, list]:
+    """One process running cmd per job. Each reads its job as a JSON line on
+    stdin, gets ready, prints "ready" and waits for a line "go", which all get
+    at once when all are ready; then it prints its answer as a JSON line.
+    Returns (seconds from "go" to the last answer, the answers)."""
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in jobs]
+    try:
+        for proc, job in zip(procs, jobs):
+            proc.stdin.write(json.dumps(job) + "\n")
+            proc.stdin.flush()
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a worker process failed to get ready (exit status {proc.poll()})")
+        t0 = time.perf_counter()
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        answers = [json.loads(proc.stdout.readline()) for proc in procs]
+        return time.perf_counter() - t0, answers
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    finally:
+        for proc in procs:
+            proc.wait()

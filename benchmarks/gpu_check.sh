@@ -6,6 +6,7 @@
 #   throughput  benchmarks/throughput.py
 #   logprobs    benchmarks/logprobs_cost.py
 #   streaming   benchmarks/streaming.py
+#   serving     benchmarks/serving.py (in-process peer, bursts, scale-out, Poisson arrivals)
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -28,6 +29,8 @@ for stage in "$@"; do
     logprobs) python3 benchmarks/logprobs_cost.py --qwen3-0.6b --device cuda --batch 64 2>&1 | grep -v -i warn \
                 | tee "$out/logprobs_cost.log" ;;
     streaming) python3 benchmarks/streaming.py --device cuda --max-tokens 256 --repeats 5 2>&1 | grep -v -i warn | tee "$out/streaming.log" ;;
+    serving) python3 benchmarks/serving.py --device cuda --repeats 5 --json "$out/serving.json" 2>&1 | grep -v -i warn \
+               | tee "$out/serving.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -18,9 +18,10 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
+
+from benchmarks_common import core_process, run_workers
 
 
 def workload(n: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -76,35 +77,16 @@ async def frontend(address: str, prompts, max_tokens: int) -> int:
 
 def over_zmq(args, prompts, num_frontends: int) -> tuple[float, int, float]:
     from headrace.frontend.async_engine import run
-    from headrace.frontend.core_process import private_ipc_address
 
-    address, _ = private_ipc_address()
-    core = subprocess.Popen([sys.executable, "-m", "headrace.frontend.cli", "core", "--model", args.model,
-                             "--address", address, "--device", args.device,
-                             "--max-num-seqs", str(args.num_requests)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert "serving" in core.stdout.readline()
+    with core_process(args.model, args.device, "--max-num-seqs", str(args.num_requests)) as address:
         run(frontend(address, prompts[:1], 4))  # warm-up
         before = run(core_stats(address))
         shards = [prompts[i::num_frontends] for i in range(num_frontends)]
         cmd = [sys.executable, __file__, "--frontend", address, "--max-tokens", str(args.max_tokens)]
-        procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                 for _ in shards]
-        for p in procs:  # wait until each frontend has imported everything
-            assert p.stdout.readline().strip() == "ready"
-        t0 = time.perf_counter()
-        for p, shard in zip(procs, shards):
-            p.stdin.write(json.dumps(shard) + "\n")
-            p.stdin.flush()
-        tokens = sum(int(p.stdout.readline()) for p in procs)
-        elapsed = time.perf_counter() - t0
-        for p in procs:
-            p.wait()
+        elapsed, tokens = run_workers(cmd, shards)
         after = run(core_stats(address))
-        return tokens / elapsed, after.num_steps - before.num_steps, (after.step_seconds - before.step_seconds) / elapsed
-    finally:
-        core.terminate()
-        core.wait()
+    busy = (after.step_seconds - before.step_seconds) / elapsed
+    return sum(tokens) / elapsed, after.num_steps - before.num_steps, busy
 
 
 def main() -> None:
@@ -117,11 +99,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each path; the median is printed")
     parser.add_argument("--frontend", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.frontend:  # a frontend process: report readiness, read prompts, print tokens received
+    if args.frontend:  # a frontend process (benchmarks_common.run_workers): prompts, ready, go, tokens received
         from headrace.frontend.async_engine import run  # import everything before timing starts
 
-        print("ready", flush=True)
         prompts = json.loads(sys.stdin.readline())
+        print("ready", flush=True)
+        sys.stdin.readline()
         print(run(frontend(args.frontend, prompts, args.max_tokens)), flush=True)
         return
     if args.model is None:

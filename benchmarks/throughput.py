@@ -21,45 +21,15 @@ run by both engines.
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch
 
-from benchmarks_common import StepFloor, StepTimeline, gpu_busy, measure_ceilings, qwen3_06b_checkpoint
+from benchmarks_common import (ScheduleRecorder, StepFloor, StepTimeline, gpu_busy, measure_ceilings,
+                               qwen3_06b_checkpoint, workload)
 from headrace.core.config import EngineArgs
 from headrace.core.engine import EngineCore
 from headrace.core.sampling_params import SamplingParams
-
-
-def workload(n: int, seed: int = 0):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
-    max_tokens = [rng.randint(100, 1024) for _ in range(n)]
-    return prompts, max_tokens
-
-
-class ScheduleRecorder:
-    """Over the executed steps: tokens computed, KV tokens read, rows that
-    sampled, and (query, key) pairs attended (causal within a chunk)."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self.tokens = self.kv_tokens = self.steps = self.sampled_rows = self.pairs = 0
-        execute = core.executor.execute
-
-        def recording(sched):
-            computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
-            computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_reqs})
-            self.steps += 1
-            self.tokens += sched.total_num_scheduled_tokens
-            self.sampled_rows += sum(sched.samples)
-            for rid, n in sched.num_scheduled_tokens.items():
-                self.kv_tokens += computed[rid] + n
-                self.pairs += n * computed[rid] + n * (n + 1) // 2
-            return execute(sched)
-
-        core.executor.execute = recording
-        self.detach = lambda: setattr(core.executor, "execute", execute)
 
 
 def run_ours(core: EngineCore, prompts, max_tokens, windows=()):

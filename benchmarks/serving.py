@@ -1,0 +1,448 @@
+"""What a user of the streaming frontend gets on the community workload:
+AsyncEngine's output tokens/s against the engine core driven in-process, with
+and without logprobs, from one and from several frontend processes, and the
+latency of requests that arrive as a Poisson process.
+
+    python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,poisson]
+        [--num-requests 256] [--frontends 2] [--rates 8,24] [--repeats 1] [--loop-load MS]
+        [--device auto] [--model DIR] [--max-prompt 1024] [--max-output 1024] [--json PATH]
+
+Workload (benchmarks_common.workload, as in throughput.py): seed 0; prompts
+of uniform [100, 1024] random token ids in [0, 10000); max_tokens uniform
+[100, 1024]; temperature 0.6; ignore_eos; max_model_len 4096; no prefix
+caching; max_num_seqs = the number of requests. The model is the Qwen3-0.6B
+shape with random bf16 weights and a tokenizer that covers its vocabulary
+(on a CPU: the demo checkpoint, with max_model_len cut to its positions).
+For smoke runs --max-prompt and --max-output cut prompts and max_tokens, and
+ids are taken modulo a vocabulary smaller than 10000.
+
+Parts:
+- inproc, the peer: EngineCore in this process; all requests added at once,
+  step() until done; no sockets, no detokenization. On CUDA also the floor
+  of the executed schedule, as throughput.py computes it.
+- burst: AsyncEngine.from_model; all requests at once, one generate()
+  stream each (DELTA), each counting the tokens of its outputs.
+- burst-logprobs: the same with logprobs=5, each stream reading every
+  position's logprob dict (they are built lazily); --repeats runs, counting
+  the runs in which a stream got EngineDeadError.
+- scaleout: the burst split over --frontends processes, each joined with
+  AsyncEngine.connect to one `headrace core` process; without and with
+  logprobs; timed from telling the ready processes to start until the last
+  reports.
+- poisson: for each of --rates, the requests arrive at exponential
+  intervals (random.Random(1); the first at once), each submitted at its arrival time by its own
+  task through one AsyncEngine (DELTA). At the client: TTFT = the first output
+  carrying a token - submission; inter-token latency (ITL) = for each later
+  output, (its arrival - the previous one's) / its number of tokens, counted
+  once per token. Targets: TTFT p99 under 200 ms at 24 req/s; ITL p99 under
+  3x its p50.
+
+burst, burst-logprobs and poisson share one spawned engine (a new one after
+an EngineDeadError), run before scaleout starts its core. Before each timed
+run the engine serves the same requests cut to 2 output tokens (which
+compiles the kernels for every prefill shape); start-up and this warm-up are
+never timed. Throughput is output tokens over the wall time from submitting
+the first request until the last finished. --loop-load MS blocks each
+frontend process's event loop for MS ms every 10 ms with a busy Python loop
+during the burst, scaleout and poisson runs, as a busy application would.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from benchmarks_common import (ScheduleRecorder, StepFloor, core_process, measure_ceilings, qwen3_06b_checkpoint,
+                               run_workers, workload)
+from headrace import AsyncEngine, EngineDeadError, RequestOutputKind, SamplingParams
+from headrace.frontend.async_engine import run
+
+PARTS = ("inproc", "burst", "burst-logprobs", "scaleout", "poisson")
+NUM_LOGPROBS = 5
+
+
+def params(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.6, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs,
+                          output_kind=RequestOutputKind.DELTA)
+
+
+def requests(args, vocab: int) -> tuple[list[list[int]], list[int]]:
+    prompts, max_tokens = workload(args.num_requests)
+    if vocab < 10000:
+        prompts = [[t % vocab for t in p] for p in prompts]
+    return [p[:args.max_prompt] for p in prompts], [min(m, args.max_output) for m in max_tokens]
+
+
+# ---- inproc: the engine core in this process ----
+
+def step_all(core, prompts, max_tokens) -> tuple[float, int]:
+    """Add every request, step until all finish: (seconds, output tokens)."""
+    t0 = time.perf_counter()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        core.add_request(f"{time.monotonic_ns()}-{i}", p, params(m), time.time())
+    tokens = 0
+    while core.has_unfinished:
+        tokens += sum(len(o.new_token_ids) // 4 for o in core.step())
+    return time.perf_counter() - t0, tokens
+
+
+def in_process(args, prompts, max_tokens) -> dict:
+    import torch
+
+    from headrace.core.config import EngineArgs
+    from headrace.core.engine import EngineCore
+
+    cuda = args.device.startswith("cuda")
+    ceilings = measure_ceilings(torch.device(args.device)) if cuda else None
+    core = EngineCore(EngineArgs(model=args.model, device=args.device, max_model_len=args.max_model_len,
+                                 max_num_seqs=len(prompts), enable_prefix_caching=False))
+    try:
+        step_all(core, prompts, [2] * len(prompts))  # warm-up
+        rec = ScheduleRecorder(core)
+        seconds, tokens = step_all(core, prompts, max_tokens)
+        rec.detach()
+        result = {"tokens": tokens, "seconds": seconds, "steps": rec.steps}
+        if cuda:
+            bw, rate = ceilings
+            floor = sum(StepFloor(core, bw, rate).seconds(rec.steps, rec.kv_tokens, rec.tokens, rec.sampled_rows,
+                                                          rec.pairs))
+            result.update(floor_seconds=floor, copy_bytes_per_s=bw, matmul_flops_per_s=rate)
+        return result
+    finally:
+        core.close()
+
+
+# ---- the frontend: bursts, Poisson arrivals, load on the event loop ----
+
+@contextlib.asynccontextmanager
+async def loop_load(ms: float):
+    """While inside: every 10 ms, block the event loop for ms milliseconds."""
+    async def block():
+        while True:
+            end = time.perf_counter() + ms / 1e3
+            while time.perf_counter() < end:
+                pass
+            await asyncio.sleep(0.010)
+
+    task = asyncio.create_task(block()) if ms > 0 else None
+    try:
+        yield
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def burst(engine, prompts, max_tokens, logprobs: int | None) -> dict:
+    """All requests at once, one stream each: output tokens, logprob entries
+    read, streams that got EngineDeadError, seconds."""
+    async def stream(prompt, m):
+        tokens = entries = 0
+        try:
+            async for out in engine.generate(prompt, params(m, logprobs)):
+                sample = out.outputs[0]
+                tokens += len(sample.token_ids)
+                if logprobs is not None:
+                    entries += sum(len(d) for d in sample.logprobs)
+        except EngineDeadError:
+            return tokens, entries, 1
+        return tokens, entries, 0
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*map(stream, prompts, max_tokens))
+    tokens, entries, dead = (sum(c) for c in zip(*counts))
+    return {"tokens": tokens, "logprob_entries": entries, "dead_streams": dead, "seconds": time.perf_counter() - t0}
+
+
+async def warm_up(engine, prompts, logprobs: int | None) -> None:
+    await burst(engine, prompts, [2] * len(prompts), logprobs)
+
+
+async def timed_burst(engine, prompts, max_tokens, logprobs: int | None, load_ms: float) -> dict:
+    await warm_up(engine, prompts, logprobs)
+    async with loop_load(load_ms):
+        return await burst(engine, prompts, max_tokens, logprobs)
+
+
+def percentiles(seconds: list[float]) -> list[float] | None:
+    """p50, p90, p99 in milliseconds."""
+    return [float(v) * 1e3 for v in np.percentile(seconds, [50, 90, 99])] if seconds else None
+
+
+async def poisson(engine, prompts, max_tokens, rate: float, load_ms: float) -> dict:
+    await warm_up(engine, prompts, None)
+    rng = random.Random(1)
+    arrivals = list(itertools.accumulate((rng.expovariate(rate) for _ in prompts[1:]), initial=0.0))
+    ttft, itl = [], []
+
+    async def request(prompt, m, at):
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        submitted, last, tokens = time.perf_counter(), None, 0
+        try:
+            async for out in engine.generate(prompt, params(m)):
+                now, k = time.perf_counter(), len(out.outputs[0].token_ids)
+                if k == 0:
+                    continue
+                if last is None:
+                    ttft.append(now - submitted)
+                else:
+                    itl.extend([(now - last) / k] * k)
+                last, tokens = now, tokens + k
+        except EngineDeadError:
+            return tokens, 1
+        return tokens, 0
+
+    async with loop_load(load_ms):
+        start = time.perf_counter()
+        counts = await asyncio.gather(*map(request, prompts, max_tokens, arrivals))
+        seconds = time.perf_counter() - start
+    tokens, dead = (sum(c) for c in zip(*counts))
+    return {"rate": rate, "requests": len(prompts) - dead, "tokens": tokens, "seconds": seconds,
+            "dead_streams": dead, "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl)}
+
+
+class SpawnedEngine:
+    """The AsyncEngine.from_model of the burst and poisson parts: spawned on
+    first use, and again after a run in which it died."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.stack: contextlib.AsyncExitStack | None = None
+        self.engine: AsyncEngine | None = None
+
+    async def measure(self, part, *part_args) -> dict:
+        if self.engine is None:
+            a = self.args
+            self.stack = contextlib.AsyncExitStack()
+            self.engine = await self.stack.enter_async_context(AsyncEngine.from_model(
+                a.model, max_model_len=a.max_model_len, enable_prefix_caching=False, max_num_seqs=a.num_requests,
+                device=a.device))
+        result = await part(self.engine, *part_args)
+        if result["dead_streams"]:
+            await self.close()
+        return result
+
+    async def close(self) -> None:
+        if self.stack is not None:
+            await self.stack.aclose()
+        self.stack = self.engine = None
+
+
+async def spawned_engine_parts(args, prompts, max_tokens) -> dict:
+    """burst, burst-logprobs (--repeats runs) and poisson (each rate), in this
+    order, through one SpawnedEngine: {part: [result of each run]}."""
+    plan = {"burst": [("burst", timed_burst, None)],
+            "burst-logprobs": [(f"burst-logprobs run {i + 1}", timed_burst, NUM_LOGPROBS) for i in range(args.repeats)],
+            "poisson": [(f"poisson {rate:g} req/s", poisson, rate) for rate in args.rates]}
+    results = {}
+    engine = SpawnedEngine(args)
+    try:
+        for part in (p for p in plan if p in args.parts):
+            results[part] = []
+            for name, measure, arg in plan[part]:
+                results[part].append(await engine.measure(measure, prompts, max_tokens, arg, args.loop_load))
+                log(name, results[part][-1])
+    finally:
+        await engine.close()
+    return results
+
+
+# ---- scaleout: frontend processes joined to one core process ----
+
+async def frontend_process(address: str, job: dict) -> dict:
+    """A scale-out frontend (benchmarks_common.run_workers): warm up, ready, go, burst."""
+    async with AsyncEngine.connect(address) as engine:
+        await warm_up(engine, job["prompts"], job["logprobs"])
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+        async with loop_load(job["loop_load_ms"]):
+            return await burst(engine, job["prompts"], job["max_tokens"], job["logprobs"])
+
+
+def scale_out(args, prompts, max_tokens) -> list[dict]:
+    n = args.frontends
+    flags = ["--max-model-len", str(args.max_model_len), "--no-enable-prefix-caching",
+             "--max-num-seqs", str(len(prompts))]
+    results = []
+    with core_process(args.model, args.device, *flags) as address:
+        for logprobs in (None, NUM_LOGPROBS):
+            jobs = [{"prompts": prompts[i::n], "max_tokens": max_tokens[i::n], "logprobs": logprobs,
+                     "loop_load_ms": args.loop_load} for i in range(n)]
+            seconds, answers = run_workers([sys.executable, __file__, "--frontend", address], jobs)
+            results.append({"logprobs": logprobs, "seconds": seconds, "frontends": answers,
+                            **{k: sum(a[k] for a in answers) for k in ("tokens", "logprob_entries", "dead_streams")}})
+            log(f"scaleout, logprobs={logprobs}", results[-1])
+    return results
+
+
+# ---- report ----
+
+def log(name: str, result: dict) -> None:
+    dead = f"; streams with EngineDeadError: {result['dead_streams']}" if "dead_streams" in result else ""
+    print(f"{name}: {result['tokens']} output tokens in {result['seconds']:.2f} s = "
+          f"{tok_s(result):.0f} tok/s{dead}", flush=True)
+
+
+def tok_s(result: dict) -> float:
+    return result["tokens"] / result["seconds"]
+
+
+def path_rows(results: dict, expected: int, args) -> list[dict]:
+    """(path, tok/s, ratio to in-process, notes) of every throughput path measured."""
+    rows = []
+    inproc = results.get("inproc")
+    peer = tok_s(inproc) if inproc else None
+
+    def row(path, value, notes, runs):
+        short = [f"{r['tokens']} of {expected} tokens" for r in runs if r["tokens"] != expected]
+        rows.append({"path": path, "tok_s": value, "ratio": value / peer if peer and value else None,
+                     "notes": "; ".join(short + notes), "runs": runs})
+
+    if inproc:
+        notes = [f"{inproc['steps']} steps"]
+        if "floor_seconds" in inproc:
+            floor = inproc["floor_seconds"]
+            notes.append(f"floor {floor:.2f} s = {inproc['tokens'] / floor:.0f} tok/s, time / floor "
+                         f"{inproc['seconds'] / floor:.2f} (copy {inproc['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+                         f"bf16 matmul {inproc['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s)")
+        row("in-process EngineCore (peer)", peer, notes, [inproc])
+    plain = None
+    if "burst" in results:
+        plain, notes = median_of_runs(results["burst"])
+        row("AsyncEngine.from_model, 1 frontend", plain, notes, results["burst"])
+    if "burst-logprobs" in results:
+        value, notes = median_of_runs(results["burst-logprobs"])
+        row(f"AsyncEngine.from_model, 1 frontend, logprobs={NUM_LOGPROBS}", value,
+            notes + of_no_logprobs(value, plain), results["burst-logprobs"])
+    if "scaleout" in results:
+        label = f"AsyncEngine.connect, {args.frontends} frontend processes"
+        runs = results["scaleout"]  # without, then with logprobs
+        plain, notes = median_of_runs(runs[:1])
+        row(label, plain, notes, runs[:1])
+        value, notes = median_of_runs(runs[1:])
+        row(f"{label}, logprobs={NUM_LOGPROBS}", value, notes + of_no_logprobs(value, plain), runs[1:])
+    return rows
+
+
+def of_no_logprobs(value: float | None, plain: float | None) -> list[str]:
+    return [f"{value / plain:.3f} of no logprobs"] if value and plain else []
+
+
+def median_of_runs(runs: list[dict]) -> tuple[float | None, list[str]]:
+    """The median tok/s of the runs no EngineDeadError cut short, and notes on all."""
+    good = [tok_s(r) for r in runs if not r["dead_streams"]]
+    notes = []
+    if len(runs) > 1:
+        notes.append(f"median of {len(good)}: " + ", ".join(f"{v:.0f}" for v in good))
+    if len(runs) > 1 or not good:
+        notes.append(f"EngineDeadError in {len(runs) - len(good)} of {len(runs)} runs")
+    return (statistics.median(good) if good else None), notes
+
+
+def poisson_rows(results: list[dict]) -> list[dict]:
+    rows = []
+    for r in results:
+        ttft, itl = r["ttft_ms"], r["itl_ms"]
+        notes = []
+        if r["dead_streams"]:
+            notes.append(f"EngineDeadError in {r['dead_streams']} streams")
+        if ttft:
+            notes.append(f"TTFT p99 < 200 ms: {'yes' if ttft[2] < 200 else 'no'}")
+        if itl:
+            notes.append(f"ITL p99 / p50 = {itl[2] / itl[0]:.2f} (< 3: {'yes' if itl[2] < 3 * itl[0] else 'no'})")
+        rows.append({**r, "tok_s": tok_s(r), "notes": "; ".join(notes)})
+    return rows
+
+
+def print_tables(paths: list[dict], poisson_results: list[dict]) -> None:
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    if paths:
+        print("\n| path | output tok/s | of in-process | notes |\n| --- | ---: | ---: | --- |")
+        for r in paths:
+            print(f"| {r['path']} | {fmt(r['tok_s'], '.0f')} | {fmt(r['ratio'], '.3f')} | {r['notes']} |")
+    if poisson_results:
+        print("\n| rate req/s | requests | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | notes |\n"
+              "| ---: | ---: | ---: | ---: | ---: | --- |")
+        for r in poisson_results:
+            ttft, itl = (" / ".join(f"{v:.1f}" for v in p) if p else "-" for p in (r["ttft_ms"], r["itl_ms"]))
+            print(f"| {r['rate']:g} | {r['requests']} | {r['tok_s']:.0f} | {ttft} | {itl} | {r['notes']} |")
+
+
+# ---- main ----
+
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--frontends", type=int, default=2, help="frontend processes of scaleout")
+    parser.add_argument("--rates", default="8,24", help="Poisson arrival rates, requests/s")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of burst-logprobs")
+    parser.add_argument("--loop-load", type=float, default=0.0, metavar="MS",
+                        help="block the frontends' event loops for MS ms every 10 ms")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", default=None, help="default: the Qwen3-0.6B shape on CUDA, the demo on a CPU")
+    parser.add_argument("--max-prompt", type=int, default=1024, help="cut prompts to this many tokens")
+    parser.add_argument("--max-output", type=int, default=1024, help="cut max_tokens to this")
+    parser.add_argument("--json", default=None, metavar="PATH")
+    parser.add_argument("--frontend", default=None, help=argparse.SUPPRESS)  # a scaleout frontend process
+    args = parser.parse_args()
+    args.parts = args.parts.split(",")
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    args.rates = [float(r) for r in args.rates.split(",")]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.frontend:
+        print(json.dumps(run(frontend_process(args.frontend, json.loads(sys.stdin.readline())))), flush=True)
+        return
+    import torch
+
+    from headrace.core.config import ModelConfig
+    from headrace.testing import demo_checkpoint
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.model is None:
+        args.model = str(qwen3_06b_checkpoint() if args.device.startswith("cuda") else demo_checkpoint())
+    config = ModelConfig.from_dir(args.model)
+    args.max_model_len = min(4096, config.max_position_embeddings)
+    prompts, max_tokens = requests(args, config.vocab_size)
+    expected = sum(max_tokens)
+    print(f"{args.model} on {args.device}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+          f"{expected} output tokens; max_model_len {args.max_model_len}; loop load {args.loop_load:g} ms "
+          f"every 10 ms", flush=True)
+    results = {}
+    if "inproc" in args.parts:
+        results["inproc"] = in_process(args, prompts, max_tokens)
+        log("inproc", results["inproc"])
+    results.update(run(spawned_engine_parts(args, prompts, max_tokens)))
+    if "scaleout" in args.parts:
+        results["scaleout"] = scale_out(args, prompts, max_tokens)
+    paths = path_rows(results, expected, args)
+    poisson_results = poisson_rows(results.get("poisson", []))
+    print_tables(paths, poisson_results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "device": args.device, "num_requests": len(prompts),
+                       "prompt_tokens": sum(map(len, prompts)), "output_tokens": expected,
+                       "max_model_len": args.max_model_len, "loop_load_ms": args.loop_load,
+                       "paths": paths, "poisson": poisson_results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
