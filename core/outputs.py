@@ -20,9 +20,10 @@ class Logprob:
 class Logprobs(Sequence):
     """Logprobs of consecutive positions: position -> {token id: Logprob}.
 
-    Kept as the packed arrays that came over the wire; a position's dict
-    is built the first time it is read, so an application that never looks
-    at logprobs, or reads only a few positions, pays for no Python objects.
+    Kept as the packed little-endian arrays that came over the wire; they
+    are unpacked when first read, and a position's dict is built the first
+    time that position is read, so an application that never looks at
+    logprobs, or reads only a few positions, pays for no Python objects.
     It reads like a list of dicts (len, indexing, slices, iteration, ==),
     and list(logprobs) gives a plain one.
 
@@ -33,20 +34,20 @@ class Logprobs(Sequence):
     token has no context.
     """
 
-    __slots__ = ("_ids", "_values", "_ranks", "_ranked", "_text", "_num_empty", "_built")
+    __slots__ = ("_packed", "_arrays", "_num", "_ranked", "_text", "_num_empty", "_built")
 
-    def __init__(self, token_ids: np.ndarray, values: np.ndarray, ranks: np.ndarray, ranked: bool,
-                 token_text: Sequence[str], num_empty: int = 0) -> None:
-        self._ids = token_ids  # int32 [num, k]
-        self._values = values  # float32 [num, k]
-        self._ranks = ranks  # int32 [num]: rank of column 0
+    def __init__(self, token_ids: bytes, values: bytes, ranks: bytes, ranked: bool, token_text: Sequence[str],
+                 num_empty: int = 0) -> None:
+        self._packed = (token_ids, values, ranks)  # int32 [num, k], float32 [num, k], int32 [num]
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # unpacked on first read
+        self._num = len(ranks) // 4
         self._ranked = ranked
         self._text = token_text  # token id -> decoded text
         self._num_empty = num_empty
         self._built: list[dict[int, Logprob] | None] | None = None  # rows built so far
 
     def __len__(self) -> int:
-        return self._num_empty + len(self._ranks)
+        return self._num_empty + self._num
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -59,17 +60,22 @@ class Logprobs(Sequence):
         if row < 0:
             return None
         if self._built is None:
-            self._built = [None] * len(self._ranks)
+            self._built = [None] * self._num
         entry = self._built[row]
         if entry is None:
             entry = self._built[row] = self._build(row)
         return entry
 
     def _build(self, row: int) -> dict[int, Logprob]:
-        ids, values, text = self._ids[row].tolist(), self._values[row].tolist(), self._text
-        ranked = self._ranked
+        if self._arrays is None:
+            ids, values, ranks = self._packed
+            n = self._num
+            self._arrays = (np.frombuffer(ids, "<i4").reshape(n, -1), np.frombuffer(values, "<f4").reshape(n, -1),
+                            np.frombuffer(ranks, "<i4"))
+        ids, values, ranks = self._arrays
+        ids, values, text, ranked = ids[row].tolist(), values[row].tolist(), self._text, self._ranked
         entry = {t: Logprob(v, r if ranked else None, text[t]) for r, (t, v) in enumerate(zip(ids[1:], values[1:]), 1)}
-        scored, rank = ids[0], int(self._ranks[row])
+        scored, rank = ids[0], int(ranks[row])
         if scored in entry:
             entry[scored].rank = rank
         else:

@@ -12,12 +12,14 @@ where the user reads them (core.outputs.Logprobs).
 from __future__ import annotations
 
 import asyncio
+import bisect
+import struct
 import time
 
 import numpy as np
 
 from headrace.core.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
-from headrace.core.protocol import EngineCoreOutput, unpack_id_list, unpack_ids
+from headrace.core.protocol import EngineCoreOutput, unpack_id_list
 from headrace.core.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.detokenizer import IncrementalDetokenizer
 from headrace.metrics.stats import FrontendStats
@@ -50,51 +52,44 @@ class _DecodeCache(dict):
 
 
 class _LogprobRows:
-    """A sample's logprob rows: packed parts as they arrive, copied into
-    growing arrays when an output is built. Outputs get views of the rows
-    they show; rows once written never change, so views stay valid."""
+    """A sample's logprobs: the packed parts of each core output, kept as they
+    came. An output's Logprobs is the parts since its first row, joined."""
 
     def __init__(self, ranked: bool, token_text: TokenText) -> None:
         self._ranked, self._text = ranked, token_text.of
-        self._parts: list[EngineCoreOutput] = []  # arrived, not copied yet
-        self._ids = np.empty((0, 0), np.int32)  # [capacity, k]: the scored token, then top-N or requested ids
-        self._values = np.empty((0, 0), np.float32)  # [capacity, k]
-        self._ranks = np.empty(0, np.int32)  # [capacity]: the scored token's rank
-        self.num = 0  # rows copied
-        self.cumulative = 0.0  # sum of the copied rows' sampled logprobs, in order
+        self._parts: list[tuple[bytes, bytes, bytes]] = []  # (ids, values, ranks) per core output
+        self._starts: list[int] = []  # part -> its first row
+        self.num = 0  # rows
+        self.cumulative = 0.0  # sum of the sampled tokens' logprobs, in order
 
     def add(self, out: EngineCoreOutput) -> None:
-        self._parts.append(out)
+        self._parts.append((out.logprob_token_ids, out.logprobs, out.sampled_ranks))
+        self._starts.append(self.num)
+        sampled = out.sampled_logprobs
+        if len(sampled) == 4:  # one token: the common case
+            self.cumulative += _F32.unpack(sampled)[0]
+            self.num += 1
+            return
+        values = np.frombuffer(sampled, "<f4").tolist()
+        for v in values:
+            self.cumulative += v
+        self.num += len(values)
 
     def rows(self, start: int) -> Logprobs:
-        """Rows [start, every row arrived)."""
-        if self._parts:
-            self._copy_parts()
-        end = self.num
-        return Logprobs(self._ids[start:end], self._values[start:end], self._ranks[start:end], self._ranked,
-                        self._text)
-
-    def _copy_parts(self) -> None:
-        parts, self._parts = self._parts, []
-        ranks = unpack_ids(_join([p.sampled_ranks for p in parts]))
-        m, n = len(ranks), self.num
-        ids = unpack_ids(_join([p.logprob_token_ids for p in parts])).reshape(m, -1)
-        values = np.frombuffer(_join([p.logprobs for p in parts]), "<f4").reshape(m, -1)
-        if n + m > len(self._ranks):  # grow (k is fixed for a request)
-            cap, k = max(2 * len(self._ranks), n + m, 16), ids.shape[1]
-            grown = np.empty((cap, k), np.int32), np.empty((cap, k), np.float32), np.empty(cap, np.int32)
-            if n:
-                for new, old in zip(grown, (self._ids, self._values, self._ranks)):
-                    new[:n] = old[:n]
-            self._ids, self._values, self._ranks = grown
-        self._ids[n : n + m], self._values[n : n + m], self._ranks[n : n + m] = ids, values, ranks
-        self.num = n + m
-        for v in np.frombuffer(_join([p.sampled_logprobs for p in parts]), "<f4").tolist():
-            self.cumulative += v
+        """Rows [start, every row arrived); start is where a part begins (where an output ended)."""
+        i = bisect.bisect_left(self._starts, start)
+        if i == len(self._parts):
+            return Logprobs(b"", b"", b"", self._ranked, self._text)
+        assert self._starts[i] == start, "logprob rows are handed out by whole core outputs"
+        if i == 0 and len(self._parts) > 1:  # the cumulative view: join once, keep the join
+            self._parts, self._starts = [tuple(b"".join(col) for col in zip(*self._parts))], [0]
+        parts = self._parts[i:]
+        if len(parts) == 1:
+            return Logprobs(*parts[0], self._ranked, self._text)
+        return Logprobs(*(b"".join(col) for col in zip(*parts)), self._ranked, self._text)
 
 
-def _join(chunks: list[bytes]) -> bytes:
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+_F32 = struct.Struct("<f")
 
 
 class _Sample:
@@ -159,10 +154,7 @@ class _Sample:
 
     @property
     def cumulative_logprob(self) -> float | None:
-        if self._logprobs is None:
-            return None
-        self._logprobs.rows(0)  # join what arrived
-        return self._logprobs.cumulative
+        return self._logprobs.cumulative if self._logprobs is not None else None
 
     def has_news(self) -> bool:
         """Whether an output built now would show something not shown yet."""
@@ -294,12 +286,10 @@ class RequestState:
         self.stats = None  # once
 
     def _add_prompt_logprobs(self, out: EngineCoreOutput) -> None:
-        ranks = unpack_ids(out.prompt_ranks)
-        ids = unpack_ids(out.prompt_logprob_token_ids).reshape(len(ranks), -1)
-        scores = np.frombuffer(out.prompt_logprobs, "<f4").reshape(len(ranks), -1)
         ranked = self.params.logprob_token_ids is None  # requested ids have no rank
         # The first prompt token has no context: its entry is None.
-        self.prompt_logprobs = Logprobs(ids, scores, ranks, ranked, self._token_text.of, num_empty=1)
+        self.prompt_logprobs = Logprobs(out.prompt_logprob_token_ids, out.prompt_logprobs, out.prompt_ranks, ranked,
+                                        self._token_text.of, num_empty=1)
 
     # ---- the consumer's side ----
 
