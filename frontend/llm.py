@@ -72,7 +72,11 @@ class LLM:
             self, _shutdown, self.core, core_thread, self._frontend, self._loop, loop_thread, address, directory,
             metrics_registry, core_collector, metrics_server,
         )
-        self._call(self._frontend.start())
+        try:
+            self._call(self._frontend.start())
+        except BaseException:
+            self._finalizer()
+            raise
         self.tokenizer = self._frontend.tokenizer
         self.max_model_len = self._frontend.info.max_model_len
 
@@ -91,6 +95,9 @@ class LLM:
         self.shutdown()
 
     def _call(self, coro):
+        if not self._finalizer.alive:
+            coro.close()
+            raise RuntimeError("this LLM has been shut down; build a new one")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def generate(

@@ -29,6 +29,8 @@ def test_llm_shutdown_frees_the_executor_and_a_second_llm_runs(checkpoint):
             call()
     engine.close()  # closing again, or shutting down again, is harmless
     llm.shutdown()
+    with pytest.raises(RuntimeError, match="this LLM has been shut down"):  # not a hang
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
 
     again = LLM(path, max_model_len=128)
     assert again.engine.cache_config.num_blocks == num_blocks
