@@ -7,6 +7,8 @@
 #   logprobs    benchmarks/logprobs_cost.py
 #   streaming   benchmarks/streaming.py
 #   serving     benchmarks/serving.py (in-process peer, bursts, scale-out, Poisson arrivals)
+#   prefill     benchmarks/prefill_step.py, profiling batch 64 with a 512-token prompt
+#   frontend    benchmarks/frontend_cost.py on the Qwen3-0.6B checkpoint's tokenizer (CPU only)
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -31,6 +33,9 @@ for stage in "$@"; do
     streaming) python3 benchmarks/streaming.py --device cuda --max-tokens 256 --repeats 5 2>&1 | grep -v -i warn | tee "$out/streaming.log" ;;
     serving) python3 benchmarks/serving.py --device cuda --repeats 5 --json "$out/serving.json" 2>&1 | grep -v -i warn \
                | tee "$out/serving.log" ;;
+    prefill) python3 benchmarks/prefill_step.py --profile 64x512 2>&1 | grep -v -i warn | tee "$out/prefill_step.log" ;;
+    frontend) python3 -c 'from benchmarks_common import qwen3_06b_checkpoint as c; print(c())' | tail -1 \
+                | xargs -I{} python3 benchmarks/frontend_cost.py --model {} 2>&1 | tee "$out/frontend_cost.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
