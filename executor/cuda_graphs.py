@@ -1,13 +1,22 @@
-"""CUDA graphs for decode steps: the model's forward captured once per padded
-batch size, replayed from static input buffers.
+"""CUDA graphs for every step: the model's forward captured once per padded
+shape, replayed from static input buffers, so that a step costs the host a
+few copies instead of a few hundred kernel launches.
 
-A decode-only batch of n rows runs the graph of the smallest captured size
-b >= n; rows n..b-1 are padding (slot -1, so nothing is written to the KV
-cache, and a one-token context) whose outputs are dropped. The attention
-kernels are captured with max_seq_len = max_model_len, an upper bound, so
-one graph serves every context length.
+Decode steps (one query a row) of n rows run the decode graph of the
+smallest captured size b >= n; rows n..b-1 are padding (slot -1, so nothing
+is written to the KV cache, and a one-token context) whose outputs are
+dropped. Other steps (prefill chunks, alone or beside decoding rows) of t
+tokens run the mixed graph of the smallest captured token count T >= t,
+captured for min(max_num_seqs, T) rows: tokens t..T-1 belong to no row
+(slot -1; their outputs are dropped) and rows past the batch are empty
+(query_start_loc stays at t), which both attention kernels skip. Attention
+is captured with bounds that hold for any step (max_seq_len =
+max_model_len; a mixed graph's max_query_len = T), so one graph serves
+every context length and layout.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -15,78 +24,126 @@ from headrace.executor.attention import AttentionMetadata
 from headrace.executor.input_batch import InputBatch
 
 
-def clear_cublas_workspaces() -> None:
+# Every StepGraphs alive in this process. Its captured matmuls use the cuBLAS
+# workspace torch keeps for (handle, its capture stream): torch's workspaces
+# may be cleared only while none is alive.
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def clear_cublas_workspaces() -> bool:
     """Free the cuBLAS workspaces torch keeps for each (thread's handle,
-    stream) pair it has run a matmul on (32 MiB each on Hopper); torch
-    allocates them again when next needed."""
+    stream) pair it has run a matmul on (32 MiB each on Hopper), unless CUDA
+    graphs still use one; torch allocates them again when next needed.
+    Whether they were freed."""
+    if _live:
+        return False
     torch._C._cuda_clearCublasWorkspaces()
+    return True
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Rows of the decode graphs."""
     sizes = [1, 2, 4, 8] + list(range(16, 256 + 1, 16))
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
 
 
-class DecodeGraphs:
-    def __init__(self, model, max_num_seqs: int, max_blocks_per_req: int, max_model_len: int,
-                 device: torch.device) -> None:
+def mixed_token_counts(max_num_batched_tokens: int) -> list[int]:
+    """Tokens of the mixed graphs: 32, 48, 64, 96, ... (steps of 1.5x and
+    4/3x, every one a multiple of 16), up to max_num_batched_tokens, so a
+    step computes at most half again its tokens."""
+    sizes, s = [], 32
+    while s < max_num_batched_tokens:
+        sizes.append(s)
+        s = s * 3 // 2 if s & (s - 1) == 0 else s * 4 // 3
+    return sizes + [max_num_batched_tokens]
+
+
+class StepGraphs:
+    def __init__(self, model, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_req: int,
+                 max_model_len: int, device: torch.device) -> None:
         self.model = model
         self.max_model_len = max_model_len
-        S = max_num_seqs
-        self.input_ids = torch.zeros(S, dtype=torch.long, device=device)  # [S]
-        self.positions = torch.zeros(S, dtype=torch.long, device=device)  # [S]
-        self.slot_mapping = torch.full((S,), -1, dtype=torch.long, device=device)  # [S] row -> cache slot
+        S, T = max_num_seqs, max(max_num_batched_tokens, max_num_seqs)
+        self.input_ids = torch.zeros(T, dtype=torch.long, device=device)  # [T]
+        self.positions = torch.zeros(T, dtype=torch.long, device=device)  # [T]
+        self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=device)  # [T] token -> cache slot
         self.seq_lens = torch.ones(S, dtype=torch.int32, device=device)  # [S]
         self.block_tables = torch.zeros(S, max_blocks_per_req, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)  # one query a row
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.decode_starts = torch.arange(S + 1, dtype=torch.int32, device=device)  # [S + 1]: one query a row
+        self.query_start_loc = torch.zeros(S + 1, dtype=torch.int32, device=device)  # [S + 1]: mixed steps' rows
+        self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # rows -> graph, output
+        self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens -> graph, output
+        self.max_rows = S
         pool = torch.cuda.graph_pool_handle()
-        # A captured matmul bakes in the cuBLAS workspace of the capture stream.
-        # Cleared before, that workspace is allocated during the capture, in
-        # this pool, and lives as long as these graphs; cleared after, no later
-        # capture (another engine's) bakes in a workspace that dies with ours,
-        # and the warm-up streams' workspaces are freed.
-        clear_cublas_workspaces()
+        # A captured matmul bakes in the cuBLAS workspace of the stream it was
+        # captured on. Every warm-up and capture runs on this engine's own
+        # stream, whose workspace torch keeps (and clear_cublas_workspaces
+        # leaves alone) while these graphs live; another engine's captures
+        # bake in their own stream's.
+        self.stream = torch.cuda.Stream(device)
+        _live.add(self)
         with torch.inference_mode():
-            for size in sorted(capture_sizes(S), reverse=True):  # largest first: later ones reuse its pool
-                self.graphs[size] = self._capture(size, pool)
-        clear_cublas_workspaces()
+            # Largest first: the smaller ones reuse its pool.
+            for tokens in sorted(mixed_token_counts(max_num_batched_tokens), reverse=True):
+                self.mixed[tokens] = self._capture(tokens, self._mixed_meta(tokens), pool)
+            for rows in sorted(capture_sizes(S), reverse=True):
+                self.decode[rows] = self._capture(rows, self._decode_meta(rows), pool)
 
-    def _meta(self, n: int) -> AttentionMetadata:
+    def _decode_meta(self, n: int) -> AttentionMetadata:
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: n + 1], seq_lens=self.seq_lens[:n],
+            query_start_loc=self.decode_starts[: n + 1], seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n], slot_mapping=self.slot_mapping[:n],
             query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=self.max_model_len,
         )
 
-    def _capture(self, n: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        args = (self.input_ids[:n], self.positions[:n], self._meta(n))
-        stream = torch.cuda.Stream()
+    def _mixed_meta(self, tokens: int) -> AttentionMetadata:
+        rows = min(self.max_rows, tokens)
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: rows + 1], seq_lens=self.seq_lens[:rows],
+            block_tables=self.block_tables[:rows], slot_mapping=self.slot_mapping[:tokens],
+            query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=tokens, max_seq_len=self.max_model_len,
+        )
+
+    def _capture(self, tokens: int, meta: AttentionMetadata, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Captured with every row empty (or, for decode, writing nothing), so
+        # the warm-up runs touch no cache.
+        args = (self.input_ids[:tokens], self.positions[:tokens], meta)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
                 self.model(*args)
-        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = self.model(*args)
+        torch.cuda.current_stream().wait_stream(stream)
         return graph, out
 
     def fits(self, batch: InputBatch) -> bool:
-        return batch.attn.max_query_len == 1 and len(batch.req_ids) <= max(self.graphs)
+        if batch.attn.max_query_len == 1:
+            return len(batch.req_ids) <= max(self.decode)
+        return int(batch.query_start_loc_np[-1]) <= max(self.mixed) and len(batch.req_ids) <= self.max_rows
 
-    def run(self, batch: InputBatch) -> torch.Tensor:  # [num_rows, hidden]
-        n = len(batch.req_ids)
-        size = min(s for s in self.graphs if s >= n)
-        meta = batch.attn
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
+    def run(self, batch: InputBatch) -> torch.Tensor:  # [num_tokens, hidden]
+        n, meta = len(batch.req_ids), batch.attn
+        t = int(batch.query_start_loc_np[-1])
+        decode = meta.max_query_len == 1
+        size = min(s for s in (self.decode if decode else self.mixed) if s >= t)
+        self.input_ids[:t].copy_(batch.input_ids)
+        self.positions[:t].copy_(batch.positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_tables[:n].copy_(meta.block_tables)
-        if size > n:  # padding rows: write nothing, attend to one (ignored) key
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
-        graph, out = self.graphs[size]
+        if size > t:  # padding tokens write nothing
+            self.slot_mapping[t:size].fill_(-1)
+        if decode:
+            if size > n:  # padding rows attend to one (ignored) key
+                self.seq_lens[n:size].fill_(1)
+            graph, out = self.decode[size]
+        else:
+            rows = min(self.max_rows, size)
+            self.query_start_loc[: n + 1].copy_(meta.query_start_loc)
+            self.query_start_loc[n + 1 : rows + 1].fill_(t)  # empty rows
+            graph, out = self.mixed[size]
         graph.replay()
-        return out[:n]
+        return out[:t]

@@ -11,7 +11,7 @@ from headrace import envs
 from headrace.core.config import ConfigError, EngineArgs, ModelConfig, SchedulerConfig
 from headrace.core.scheduler import SchedulerOutput
 from headrace.executor.attention import AttentionMetadata
-from headrace.executor.cuda_graphs import DecodeGraphs, clear_cublas_workspaces
+from headrace.executor.cuda_graphs import StepGraphs, clear_cublas_workspaces
 from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.models.loader import load_model
 from headrace.executor.sampler import SampledLogprobs, sample
@@ -102,8 +102,8 @@ class ModelRunner:
         self.processors = [make(model_cfg.vocab_size, self.device) for make in load_logits_processors(args)]
         self.graphs = None
         if self.device.type == "cuda" and not args.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, sched_cfg.max_num_seqs, max_blocks_per_req,
-                                       sched_cfg.max_model_len, self.device)
+            self.graphs = StepGraphs(self.model, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
+                                     max_blocks_per_req, sched_cfg.max_model_len, self.device)
         self.closed = False
 
     def close(self) -> None:

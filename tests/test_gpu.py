@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,6 +119,57 @@ def test_cuda_graph_and_eager_paths_agree(checkpoint):
                 assert set(ex) == set(ey)
                 for tid in ex:
                     assert ex[tid].logprob == pytest.approx(ey[tid].logprob, abs=1e-4)
+
+
+def test_mixed_step_graphs_and_eager_paths_agree(checkpoint, hf_model):
+    """Prefill chunks beside decoding rows, replayed from the mixed graphs
+    (padded token counts, empty padding rows), give the tokens and logprobs
+    of the eager path, and the greedy tokens of transformers."""
+    from headrace.core.config import EngineArgs
+    from headrace.core.engine import EngineCore
+    from headrace.core.protocol import unpack_ids
+
+    path = checkpoint("qwen3")
+    prompts = prompts_of_lengths(1000, [40, 3, 77, 9, 130, 21], seed=37)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+
+    def run(enforce_eager: bool):
+        core = EngineCore(EngineArgs(model=path, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
+                                     max_num_batched_tokens=100, enforce_eager=enforce_eager))
+        graphs, mixed_replays = core.executor.graphs, []
+        if graphs is not None:
+            replay = graphs.run
+
+            def counting(batch):
+                if batch.attn.max_query_len > 1:
+                    mixed_replays.append((len(batch.req_ids), int(batch.query_start_loc_np[-1])))
+                return replay(batch)
+
+            graphs.run = counting
+        tokens, logprobs = {}, {}
+        for i, prompt in enumerate(prompts):  # a new prompt every second step, while the others decode
+            core.add_request(str(i), prompt, params, 0.0)
+            for _ in range(2):
+                for out in core.step():
+                    tokens.setdefault(out.request_id, []).extend(unpack_ids(out.new_token_ids).tolist())
+                    logprobs.setdefault(out.request_id, []).append(np.frombuffer(out.logprobs, "<f4"))
+        while core.has_unfinished:
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(unpack_ids(out.new_token_ids).tolist())
+                logprobs.setdefault(out.request_id, []).append(np.frombuffer(out.logprobs, "<f4"))
+        assert core.scheduler.kv.num_free_blocks == core.cache_config.num_blocks
+        return tokens, {r: np.concatenate(v) for r, v in logprobs.items()}, mixed_replays
+
+    tokens, logprobs, replays = run(enforce_eager=False)
+    want_tokens, want_logprobs, _ = run(enforce_eager=True)
+    # Steps of several rows with a prefill chunk among them, and chunks of the 130-token prompt.
+    assert any(rows > 1 for rows, _ in replays) and any(t == 100 for _, t in replays)
+    assert tokens == want_tokens
+    for rid in tokens:
+        np.testing.assert_allclose(logprobs[rid], want_logprobs[rid], atol=1e-4)
+    model = hf_model(path)
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == hf_greedy(model, prompt, 12)
 
 
 MiB = 2**20
