@@ -6,7 +6,9 @@ import subprocess
 import sys
 import time
 
-from headrace import AsyncEngine
+import pytest
+
+from headrace import AsyncEngine, EngineDeadError
 
 
 def start_core(model, address: str, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -37,3 +39,15 @@ async def wait_until_idle(engine: AsyncEngine, timeout: float = 10.0):
             return s
         assert time.monotonic() < deadline, f"core still busy: {s}"
         await asyncio.sleep(0.1)
+
+
+async def seconds_until_dead(streams, since: float, timeout: float) -> list[float]:
+    """Drain every generate() stream, each of which must end in
+    EngineDeadError: how long after `since` (time.monotonic) each did."""
+    async def drain(stream):
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        return time.monotonic() - since
+
+    return await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), timeout)

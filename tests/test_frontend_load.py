@@ -19,7 +19,7 @@ from headrace.core.protocol import EngineCoreOutput, StepOutputs, pack_ids
 from headrace.frontend.output_processor import RequestState, TokenText
 from headrace.testing import build_tokenizer
 from tests.conftest import hf_greedy, hf_logprobs
-from tests.cores import start_core, stop, wait_until_idle
+from tests.cores import seconds_until_dead, start_core, stop, wait_until_idle
 
 PROMPTS = [[5 + i, 6 + 2 * i, 7 + 3 * i, 8] for i in range(8)]
 
@@ -130,14 +130,7 @@ def test_core_killed_under_a_loaded_loop_fails_every_stream_in_time(core):
             hog = asyncio.create_task(hog_loop(0.04, 0.05, stop_hog))
             os.kill(proc.pid, signal.SIGKILL)
             t0 = time.monotonic()
-
-            async def drain(g):
-                with pytest.raises(EngineDeadError):
-                    async for _ in g:
-                        pass
-                return time.monotonic() - t0
-
-            waits = await asyncio.wait_for(asyncio.gather(*(drain(g) for g in gens)), 15)
+            waits = await seconds_until_dead(gens, t0, 15)
             stop_hog.set()
             await hog
             assert max(waits) < 5, waits

@@ -20,7 +20,7 @@ from headrace import LLM, AsyncEngine, EngineDeadError, RequestOutputKind, Sampl
 from headrace.core.protocol import AddRequest, Hello, PROTOCOL_VERSION, encode, pack_ids
 from headrace.testing.checkpoint import make_scripted_checkpoint
 from tests.conftest import hf_greedy
-from tests.cores import start_core, stop, wait_until_idle
+from tests.cores import seconds_until_dead, start_core, stop, wait_until_idle
 
 WORKER = str(Path(__file__).with_name("frontend_worker.py"))
 PROMPTS_A = ["The river is low today.", "今天天气很好，我们去河边散步吧。", [7, 8, 9, 10, 11] * 9]
@@ -177,14 +177,7 @@ def test_core_killed_every_frontend_raises_engine_dead(core):
             await g.__anext__()
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
-
-        async def drain(g):
-            with pytest.raises(EngineDeadError):
-                async for _ in g:
-                    pass
-            return time.monotonic() - t0
-
-        waits = await asyncio.wait_for(asyncio.gather(*(drain(g) for g in gens)), 10)
+        waits = await seconds_until_dead(gens, t0, 10)
         assert max(waits) < 5, waits
         for e in engines:
             with pytest.raises(EngineDeadError):
