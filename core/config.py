@@ -60,7 +60,12 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
+        """From a checkpoint directory's config.json, or a GGUF file's metadata."""
         path = Path(path)
+        if path.suffix == ".gguf" and path.is_file():
+            from headrace.executor.models.gguf import GGUFFile, hf_config
+
+            return cls.from_dict(hf_config(GGUFFile(path)), str(path))
         try:
             cfg = json.loads((path / "config.json").read_text())
         except FileNotFoundError:

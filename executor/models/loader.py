@@ -1,4 +1,4 @@
-"""Finding a checkpoint and loading its safetensors into our model definitions."""
+"""Finding a checkpoint and loading its safetensors (or GGUF file) into our model definitions."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from headrace.core.config import ConfigError, ModelConfig
+from headrace.executor.models.gguf import GGUFFile, hf_config, hf_tensors, is_gguf
 from headrace.executor.models.llama import LlamaForCausalLM
 
 MODELS = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
@@ -16,12 +17,12 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local checkpoint directory, or a hub id found in the local hub cache (never downloaded)."""
+    """A local checkpoint directory or .gguf file, or a hub id found in the local hub cache (never downloaded)."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf(path):
         return path
     if path.exists():
-        raise ConfigError(f"model={str(model)!r} is a file, not a checkpoint directory")
+        raise ConfigError(f"model={str(model)!r} is a file, but neither a checkpoint directory nor a .gguf file")
     if str(model).count("/") == 1 and not str(model).startswith((".", "/", "~")):
         from huggingface_hub import snapshot_download
 
@@ -59,7 +60,11 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     model = model.to(dtype).eval().requires_grad_(False)
     params = dict(model.named_parameters())
     loaded: dict[str, int] = {name: 0 for name in params}  # parameter -> elements written
-    for file in weight_files(Path(cfg.path)):
+    if is_gguf(cfg.path):  # dequantized tensor by tensor
+        f = GGUFFile(cfg.path)
+        for name, array in hf_tensors(f, hf_config(f)):
+            _load_tensor(model, params, loaded, name, torch.from_numpy(array))
+    for file in [] if is_gguf(cfg.path) else weight_files(Path(cfg.path)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for ckpt_name in f.keys():
                 _load_tensor(model, params, loaded, ckpt_name, f.get_tensor(ckpt_name))

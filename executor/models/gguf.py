@@ -1,0 +1,192 @@
+"""GGUF checkpoints: one file with the config (metadata), the tokenizer and
+the weights, often quantized.
+
+The metadata becomes a transformers-style config dict (ModelConfig reads it
+like a config.json); tensors are renamed to transformers' names and
+dequantized at load (gguf_quants.py), undoing the row permutation llama.cpp
+applies to Llama's q and k projections. The tokenizer is converted by
+transformers from the same file (load_tokenizer), once per file: the result
+is saved under the cache directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from headrace.core.config import ConfigError
+from headrace.executor.models import gguf_quants
+
+_MAGIC = b"GGUF"
+# GGUF metadata value types -> struct format (8 = string, 9 = array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF tensor name (after "blk.N.") -> transformers name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    path = Path(path)
+    return path.suffix == ".gguf" and path.is_file()
+
+
+class GGUFFile:
+    """The metadata and tensor directory of a GGUF file (versions 2 and 3);
+    tensor data is read through a memory map when asked for."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._pos = 0
+        try:
+            self._parse()
+        except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"{self.path} is not a readable GGUF file: {e}") from None
+
+    def _parse(self) -> None:
+        if bytes(self._data[:4]) != _MAGIC:
+            raise ValueError("bad magic (not a GGUF file)")
+        self._pos = 4
+        version = self._scalar("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        num_tensors, num_kv = self._scalar("<Q"), self._scalar("<Q")
+        self.metadata: dict[str, object] = {}
+        for _ in range(num_kv):
+            key = self._string()
+            self.metadata[key] = self._value(self._scalar("<I"))
+        self.tensors: dict[str, tuple[int, tuple[int, ...], int]] = {}  # name -> (ggml type, shape, offset)
+        for _ in range(num_tensors):
+            name = self._string()
+            dims = [self._scalar("<Q") for _ in range(self._scalar("<I"))]
+            ggml_type, offset = self._scalar("<I"), self._scalar("<Q")
+            self.tensors[name] = (ggml_type, tuple(reversed(dims)), offset)  # numpy order: last dim contiguous
+        align = int(self.metadata.get("general.alignment", 32))
+        self._start = -(-self._pos // align) * align
+
+    def _scalar(self, fmt: str):
+        size = struct.calcsize(fmt)
+        (value,) = struct.unpack_from(fmt, self._data, self._pos)
+        self._pos += size
+        return value
+
+    def _string(self) -> str:
+        n = self._scalar("<Q")
+        s = bytes(self._data[self._pos : self._pos + n]).decode("utf-8")
+        self._pos += n
+        return s
+
+    def _value(self, kind: int):
+        if kind in _SCALARS:
+            return self._scalar(_SCALARS[kind])
+        if kind == _STRING:
+            return self._string()
+        if kind == _ARRAY:
+            item, n = self._scalar("<I"), self._scalar("<Q")
+            if item in _SCALARS:  # read the whole array at once
+                dtype = np.dtype(_SCALARS[item])
+                values = np.frombuffer(self._data, dtype, n, self._pos)
+                self._pos += n * dtype.itemsize
+                return values.tolist()
+            return [self._value(item) for _ in range(n)]
+        raise ValueError(f"unknown metadata value type {kind}")
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A tensor dequantized to float32, in numpy order (for a weight: [out, in])."""
+        ggml_type, shape, offset = self.tensors[name]
+        n = int(np.prod(shape, dtype=np.int64))
+        start = self._start + offset
+        try:
+            raw = self._data[start : start + gguf_quants.nbytes(ggml_type, n)]
+            return gguf_quants.dequantize(raw, ggml_type, shape)
+        except ValueError as e:
+            raise ConfigError(f"{self.path}: tensor {name}: {e}") from None
+
+
+def hf_config(f: GGUFFile) -> dict:
+    """The transformers-style config of a GGUF file's model."""
+    meta = f.metadata
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise ConfigError(f"{f.path}: GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHS)}")
+
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in f.tensors:
+        raise ConfigError(f"{f.path}: GGUF rope scaling ({scaling!r}, rope_freqs) is not supported")
+    if get("attention.sliding_window") or get("expert_count"):
+        raise ConfigError(f"{f.path}: sliding-window attention and mixture-of-experts GGUF models are not supported")
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    cfg = {
+        "model_type": arch, "architectures": [_ARCHS[arch]],
+        "hidden_size": hidden, "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length") or (hidden // heads if hidden and heads else None),
+        "vocab_size": vocab, "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0), "max_position_embeddings": get("context_length"),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "dtype": "float32",  # dequantized; on a GPU float32 runs as bfloat16 (EngineArgs.dtype)
+    }
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def hf_tensors(f: GGUFFile, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """(transformers name, float32 array) for every tensor of the file."""
+    llama = cfg["model_type"] == "llama"
+    for name in f.tensors:
+        stem, _, kind = name.rpartition(".")  # kind: weight or bias
+        if stem.startswith("blk."):
+            _, layer, part = stem.split(".", 2)
+            if part not in _LAYER_NAMES:
+                raise ConfigError(f"{f.path}: GGUF tensor {name} has no place in the {cfg['model_type']} model")
+            hf = f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        elif stem in _TOP_NAMES:
+            hf, part = f"{_TOP_NAMES[stem]}.{kind}", stem
+        else:
+            raise ConfigError(f"{f.path}: GGUF tensor {name} has no place in the {cfg['model_type']} model")
+        tensor = f.tensor(name)
+        if llama and part in ("attn_q", "attn_k"):
+            heads = cfg["num_attention_heads"] if part == "attn_q" else cfg["num_key_value_heads"]
+            tensor = _unpermute(tensor, heads)
+        yield hf, tensor
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of each head's rows of a q or k projection
+    (it interleaves the two rotary halves): rows [heads, dim/2, 2] back to
+    [heads, 2, dim/2]."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_tokenizer(path: str | Path, cache_dir: Path):
+    """The file's tokenizer, converted by transformers the first time and
+    loaded from the saved conversion afterwards."""
+    from transformers import AutoTokenizer
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    saved = cache_dir / "gguf-tokenizers" / key
+    if (saved / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(saved)
+    return tokenizer
