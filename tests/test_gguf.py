@@ -129,40 +129,106 @@ def test_streams_real_multibyte_text_and_stop_strings(smollm2, reference):
     assert (c.text, c.finish_reason, c.stop_reason) == ("The capital of France is ", "stop", "Paris")
 
 
-def _tiny_gguf(path, tensor_type, arch="llama"):
-    """A one-layer GGUF file whose q projection is stored as tensor_type (raw bytes)."""
+# ggml type ids
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
+
+
+def _raw(rows: int, cols: int, ggml_type: int, rng) -> np.ndarray:
+    """Random tensor data of a ggml type, [rows, bytes per row], with every
+    scale a small finite f16 so the weights are moderate."""
     import gguf
 
     from headrace.executor.models import gguf_quants
 
+    if ggml_type in (F32, F16, BF16):
+        x = (0.1 * rng.standard_normal((rows, cols))).astype(np.float32)
+        if ggml_type == BF16:
+            return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
+        return x.astype(np.float16 if ggml_type == F16 else np.float32).view(np.uint8).reshape(rows, -1)
+    if ggml_type in (Q4_0, Q4_1, Q8_0):  # the gguf package quantizes these
+        x = (0.1 * rng.standard_normal((rows, cols))).astype(np.float32)
+        return gguf.quants.quantize(x, gguf.GGMLQuantizationType(ggml_type)).reshape(rows, -1)
+    block, size = gguf_quants.block_size(ggml_type), gguf_quants.nbytes(ggml_type, gguf_quants.block_size(ggml_type))
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    scale = lambda n: np.full((len(blocks), 1), n, np.float16).view(np.uint8)  # noqa: E731
+    if ggml_type in (Q4_K, Q5_K):  # d, dmin, then 6-bit scales and mins, ...
+        blocks[:, 0:2], blocks[:, 2:4] = scale(2e-4), scale(1e-4)
+    else:  # Q6_K: ql, qh, int8 scales, d last
+        blocks[:, 208:210] = scale(5e-4)
+    return blocks.reshape(rows, -1)
+
+
+def _tiny_gguf(path, types: dict[str, int], arch: str = "llama") -> str:
+    """A two-layer GGUF model (hidden 256, 4 query and 2 KV heads of 64,
+    vocabulary 256, tied embeddings) whose tensors are stored in `types`
+    (name suffix -> ggml type; F32 otherwise)."""
+    import gguf
+
+    hidden, heads, kv_heads, ffn, vocab, layers = 256, 4, 2, 512, 256, 2
     w = gguf.GGUFWriter(str(path), arch)
-    hidden, heads, ffn, vocab = 256, 4, 256, 64
-    for key, value in (("block_count", 1), ("context_length", 128), ("embedding_length", hidden),
-                       ("feed_forward_length", ffn), ("attention.head_count", heads),
-                       ("attention.head_count_kv", heads), ("attention.layer_norm_rms_epsilon", 1e-5)):
-        w.add_key_value(f"{arch}.{key}", value,
-                        gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32)
-    w.add_key_value(f"{arch}.vocab_size", vocab, gguf.GGUFValueType.UINT32)
+    u32, f32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    for key, value, kind in (("block_count", layers, u32), ("context_length", 256, u32),
+                             ("embedding_length", hidden, u32), ("feed_forward_length", ffn, u32),
+                             ("attention.head_count", heads, u32), ("attention.head_count_kv", kv_heads, u32),
+                             ("attention.layer_norm_rms_epsilon", 1e-5, f32), ("rope.freq_base", 10000.0, f32),
+                             ("vocab_size", vocab, u32)):
+        w.add_key_value(f"{arch}.{key}", value, kind)
     rng = np.random.default_rng(0)
-    f32 = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
-           "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
-           "blk.0.attn_k.weight": (hidden, hidden), "blk.0.attn_v.weight": (hidden, hidden),
-           "blk.0.attn_output.weight": (hidden, hidden), "blk.0.ffn_gate.weight": (ffn, hidden),
-           "blk.0.ffn_up.weight": (ffn, hidden), "blk.0.ffn_down.weight": (hidden, ffn)}
-    for name, shape in f32.items():
-        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
-    n = gguf_quants.nbytes(tensor_type, hidden * hidden)
-    raw = np.zeros((hidden, n // hidden), np.uint8)
-    w.add_tensor("blk.0.attn_q.weight", raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType(tensor_type))
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (1, hidden)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_norm.weight": (1, hidden), f"blk.{i}.ffn_norm.weight": (1, hidden),
+                   f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv_heads * 64, hidden),
+                   f"blk.{i}.attn_v.weight": (kv_heads * 64, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, ffn)}
+    for name, (rows, cols) in shapes.items():
+        if "norm" in name:
+            w.add_tensor(name, (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32))
+            continue
+        kind = next((t for suffix, t in types.items() if name.endswith(suffix)), F32)
+        w.add_tensor(name, _raw(rows, cols, kind, rng), raw_dtype=gguf.GGMLQuantizationType(kind))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return str(path)
+
+
+def test_every_supported_type_loads_as_transformers_loads_it(tmp_path):
+    """Each supported tensor type, in one tiny model (q and k permuted, 2 KV
+    heads), gives transformers' greedy tokens and logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    from headrace.core.config import EngineArgs
+    from headrace.core.engine import EngineCore
+    from headrace.core.protocol import unpack_ids
+
+    types = {"token_embd.weight": F16, "0.attn_q.weight": Q4_K, "0.attn_k.weight": Q6_K, "0.attn_v.weight": Q4_0,
+             "0.attn_output.weight": Q4_1, "0.ffn_gate.weight": Q8_0, "0.ffn_up.weight": BF16,
+             "1.attn_q.weight": Q6_K, "1.attn_k.weight": Q4_K, "1.ffn_down.weight": Q4_K}
+    path = _tiny_gguf(tmp_path / "tiny.gguf", types)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    core = EngineCore(EngineArgs(model=path, device="cpu", dtype="float32", max_model_len=128))
+    prompts = [[5, 17, 200, 3, 99], [250, 1, 42]]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, sp, 0.0)
+    tokens, scores = {}, {}
+    while core.has_unfinished:
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(unpack_ids(out.new_token_ids).tolist())
+            scores.setdefault(out.request_id, []).extend(np.frombuffer(out.sampled_logprobs, "<f4").tolist())
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert tokens[str(i)] == want[0, len(p):].tolist()
+        ref = hf_logprobs(model, p + tokens[str(i)])
+        expected = [ref[len(p) + j - 1, t].item() for j, t in enumerate(tokens[str(i)])]
+        np.testing.assert_allclose(scores[str(i)], expected, atol=1e-4)
 
 
 def test_unsupported_quantization_is_named(tmp_path):
-    path = _tiny_gguf(tmp_path / "q5k.gguf", 13)  # Q5_K
+    path = _tiny_gguf(tmp_path / "q5k.gguf", {"0.attn_q.weight": Q5_K})
     f = GGUFFile(path)
     assert hf_config(f)["hidden_size"] == 256
     with pytest.raises(ConfigError, match=r"blk\.0\.attn_q\.weight.*Q5_K \(13\) is not supported"):
