@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from headrace.core.config import ConfigError, ModelConfig
 from headrace.executor.models.gguf import GGUFFile, hf_config, hf_tensors, is_gguf
@@ -62,7 +63,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     loaded: dict[str, int] = {name: 0 for name in params}  # parameter -> elements written
     if is_gguf(cfg.path):  # dequantized tensor by tensor
         f = GGUFFile(cfg.path)
-        for name, array in hf_tensors(f, hf_config(f)):
+        # A bar on a terminal only (disable=None): dequantizing takes seconds on a CPU.
+        tensors = tqdm(hf_tensors(f, hf_config(f)), total=len(f.tensors), desc="loading GGUF weights", disable=None)
+        for name, array in tensors:
             _load_tensor(model, params, loaded, name, torch.from_numpy(array))
     for file in [] if is_gguf(cfg.path) else weight_files(Path(cfg.path)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
