@@ -16,6 +16,7 @@ every context length and layout.
 """
 from __future__ import annotations
 
+import bisect
 import weakref
 
 import torch
@@ -30,15 +31,12 @@ from headrace.executor.input_batch import InputBatch
 _live: weakref.WeakSet = weakref.WeakSet()
 
 
-def clear_cublas_workspaces() -> bool:
+def clear_cublas_workspaces() -> None:
     """Free the cuBLAS workspaces torch keeps for each (thread's handle,
     stream) pair it has run a matmul on (32 MiB each on Hopper), unless CUDA
-    graphs still use one; torch allocates them again when next needed.
-    Whether they were freed."""
-    if _live:
-        return False
-    torch._C._cuda_clearCublasWorkspaces()
-    return True
+    graphs still use one; torch allocates them again when next needed."""
+    if not _live:
+        torch._C._cuda_clearCublasWorkspaces()
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -88,6 +86,7 @@ class StepGraphs:
                 self.mixed[tokens] = self._capture(tokens, self._mixed_meta(tokens), pool)
             for rows in sorted(capture_sizes(S), reverse=True):
                 self.decode[rows] = self._capture(rows, self._decode_meta(rows), pool)
+        self._decode_sizes, self._mixed_sizes = sorted(self.decode), sorted(self.mixed)  # for bisect
 
     def _decode_meta(self, n: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -120,15 +119,17 @@ class StepGraphs:
         return graph, out
 
     def fits(self, batch: InputBatch) -> bool:
-        if batch.attn.max_query_len == 1:
-            return len(batch.req_ids) <= max(self.decode)
-        return int(batch.query_start_loc_np[-1]) <= max(self.mixed) and len(batch.req_ids) <= self.max_rows
+        """Whether a graph is large enough. Rows always fit: a step has at most
+        max_num_seqs rows and no more rows than tokens, as the mixed graphs do."""
+        sizes = self._decode_sizes if batch.attn.max_query_len == 1 else self._mixed_sizes
+        return int(batch.query_start_loc_np[-1]) <= sizes[-1]
 
     def run(self, batch: InputBatch) -> torch.Tensor:  # [num_tokens, hidden]
         n, meta = len(batch.req_ids), batch.attn
-        t = int(batch.query_start_loc_np[-1])
+        t = int(batch.query_start_loc_np[-1])  # a decode step's t is n
         decode = meta.max_query_len == 1
-        size = min(s for s in (self.decode if decode else self.mixed) if s >= t)
+        sizes = self._decode_sizes if decode else self._mixed_sizes
+        size = sizes[bisect.bisect_left(sizes, t)]
         self.input_ids[:t].copy_(batch.input_ids)
         self.positions[:t].copy_(batch.positions)
         self.slot_mapping[:t].copy_(meta.slot_mapping)

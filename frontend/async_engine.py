@@ -18,11 +18,11 @@ from headrace.core.outputs import RequestOutput
 from headrace.core.protocol import Ready, RequestError, Stats, StepOutputs
 from headrace.core.request import check_prompt
 from headrace.core.sampling_params import SamplingParams, check_token_ids
+from headrace.executor.models import gguf
 from headrace.frontend.client import EngineClient, EngineDeadError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
 from headrace.metrics.exporter import MetricsServer, check_metrics_options, frontend_collector
-from headrace.executor.models import gguf
 from headrace.metrics.stats import FrontendStats
 
 try:

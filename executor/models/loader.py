@@ -61,20 +61,30 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     model = model.to(dtype).eval().requires_grad_(False)
     params = dict(model.named_parameters())
     loaded: dict[str, int] = {name: 0 for name in params}  # parameter -> elements written
-    if is_gguf(cfg.path):  # dequantized tensor by tensor
-        f = GGUFFile(cfg.path)
-        # A bar on a terminal only (disable=None): dequantizing takes seconds on a CPU.
-        tensors = tqdm(hf_tensors(f, hf_config(f)), total=len(f.tensors), desc="loading GGUF weights", disable=None)
-        for name, array in tensors:
-            _load_tensor(model, params, loaded, name, torch.from_numpy(array))
-    for file in [] if is_gguf(cfg.path) else weight_files(Path(cfg.path)):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for ckpt_name in f.keys():
-                _load_tensor(model, params, loaded, ckpt_name, f.get_tensor(ckpt_name))
+    tensors = _gguf_tensors(cfg.path) if is_gguf(cfg.path) else _safetensors(Path(cfg.path))
+    for ckpt_name, tensor in tensors:
+        _load_tensor(model, params, loaded, ckpt_name, tensor)
     missing = [n for n, count in loaded.items() if count != params[n].numel()]
     if missing:
         raise ConfigError(f"checkpoint {cfg.path} lacks weights for: {missing[:8]}")
     return model
+
+
+def _safetensors(path: Path):
+    """(name, tensor) for every tensor of a checkpoint directory's safetensors files."""
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _gguf_tensors(path: str):
+    """(transformers name, float32 tensor) for every tensor of a GGUF file, dequantized one by one."""
+    f = GGUFFile(path)
+    # A bar on a terminal only (disable=None): dequantizing takes seconds on a CPU.
+    for name, array in tqdm(hf_tensors(f, hf_config(f)), total=len(f.tensors), desc="loading GGUF weights",
+                            disable=None):
+        yield name, torch.from_numpy(array)
 
 
 def _load_tensor(model, params, loaded, ckpt_name: str, tensor: torch.Tensor) -> None:
