@@ -39,3 +39,8 @@ def cpu_threads() -> int:
     if value:
         return max(1, int(value))
     return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def api_key() -> str | None:
+    """HEADRACE_API_KEY: the bearer token `headrace serve` requires on /v1/* (default: none)."""
+    return os.environ.get("HEADRACE_API_KEY") or None

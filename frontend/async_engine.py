@@ -144,6 +144,11 @@ class AsyncEngine:
         return self.info
 
     @property
+    def token_text(self):
+        """Token id -> that token's text alone (the table logprob entries use)."""
+        return self._token_text.of
+
+    @property
     def is_dead(self) -> bool:
         return self._client is not None and self._client.dead is not None
 

@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from headrace import envs
+
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that reverses a string.",
@@ -65,13 +67,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _core(args: argparse.Namespace) -> int:
     import logging
 
-    from headrace import envs
     from headrace.core.config import EngineArgs
     from headrace.core.server import CoreServer
 
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.parent_pid is not None:
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid)
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     engine_args = EngineArgs(**{k: v for k, v in vars(args).items() if k in fields})
     server = CoreServer(engine_args, args.address, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
@@ -85,7 +86,18 @@ def _core(args: argparse.Namespace) -> int:
     return 0
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from headrace.core.config import EngineArgs
+    from headrace.frontend.api.server import serve
+
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    return serve(args, EngineArgs(**{k: v for k, v in vars(args).items() if k in fields}))
+
+
+def die_with_parent(parent_pid: int) -> None:
     """Have the kernel send SIGTERM when the parent exits (Linux); the busy
     loop also checks getppid() for other systems and for a parent that died
     before this ran."""
@@ -125,6 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     core.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     _add_engine_args(core)
     core.set_defaults(func=_core)
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (one core, N API server processes)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free port, printed on start)")
+    srv.add_argument("--api-servers", type=int, default=1, help="HTTP server processes sharing the port")
+    srv.add_argument("--api-key", default=envs.api_key(), help="require this bearer token on /v1/* "
+                     "(default: $HEADRACE_API_KEY; none if unset)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    _add_engine_args(srv)
+    srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

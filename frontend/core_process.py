@@ -65,8 +65,21 @@ class CoreProcess:
                "--parent-pid", str(os.getpid()), *engine_args_to_cli(args)]
         if metrics_port is not None:
             cmd += ["--metrics-port", str(metrics_port)]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # logs go to stderr
+        # Logs go to stderr; stdout carries the start-up lines (read by metrics_url).
+        out = subprocess.PIPE if metrics_port is not None else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, text=True)
         return cls(proc, address, directory)
+
+    def metrics_url(self) -> str:
+        """Wait until the core is serving (its model loaded) and return the URL
+        of its metrics; a core spawned without metrics_port has none to give."""
+        if self.proc.stdout is None:
+            raise ValueError("this core was spawned without metrics_port")
+        for line in self.proc.stdout:  # "headrace core: serving ...", then "headrace core: metrics at URL"
+            if line.startswith("headrace core: metrics at "):
+                return line.split(" at ", 1)[1].strip()
+        code = self.proc.wait()
+        raise RuntimeError(f"the engine core exited during start-up (exit code {code}); its log is above")
 
     def alive(self) -> bool:
         return self.proc.poll() is None

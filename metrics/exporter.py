@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -172,6 +173,30 @@ def _handler(registry: CollectorRegistry):
             pass
 
     return Handler
+
+
+def merge_expositions(texts: list[str]) -> bytes:
+    """One text exposition from several processes' (a core's and several
+    frontends'): families of one name become one family holding every
+    process's samples (they differ by their engine / frontend label)."""
+    families: dict[str, object] = {}
+    for text in texts:
+        for f in text_string_to_metric_families(text):
+            if f.name in families:
+                families[f.name].samples.extend(f.samples)
+            else:
+                families[f.name] = f
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
 
 
 def check_metrics_options(metrics_port, metrics_registry) -> None:

@@ -1,0 +1,455 @@
+"""The OpenAI-compatible HTTP API over one AsyncEngine, as an ASGI app.
+
+Each HTTP request becomes one engine request per prompt (a completion's
+prompt may be a list), submitted with output_kind DELTA when streaming and
+FINAL_ONLY otherwise. A client that disconnects, mid-stream or while
+waiting for a whole response, has its requests aborted in the core: the
+stream's generator is closed, which aborts through AsyncEngine.outputs.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from headrace.core.request import check_prompt
+from headrace.core.sampling_params import SamplingParams
+from headrace.frontend.api import responses as R
+from headrace.frontend.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                            TokenizeRequest, decode_body)
+from headrace.frontend.async_engine import AsyncEngine
+from headrace.frontend.client import EngineDeadError
+from headrace.frontend.output_processor import RequestState
+
+logger = logging.getLogger("headrace.api")
+
+_json = msgspec.json.Encoder()
+_DONE = b"data: [DONE]\n\n"
+
+
+def json_response(body, status: int = 200) -> Response:
+    return Response(_json.encode(body), status, media_type="application/json")
+
+
+def _event(body) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+class _Prompt:
+    """One prompt of a request: its text (None for token ids) and token ids."""
+
+    __slots__ = ("text", "ids")
+
+    def __init__(self, text: str | None, ids: list[int]) -> None:
+        self.text, self.ids = text, ids
+
+
+class OpenAIServer:
+    """Routes /v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics, /tokenize and /detokenize to one started AsyncEngine.
+
+    metrics renders the /metrics page (the core's and every frontend's series);
+    api_key, when set, is required as a bearer token on /v1/*.
+    """
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, *,
+                 metrics: Callable[[], Awaitable[bytes]] | None = None, api_key: str | None = None) -> None:
+        if engine.info is None:
+            raise ValueError("the engine must be started (await engine.start()) before serving it")
+        self.engine = engine
+        self.name = served_model_name
+        self.created = int(time.time())
+        self._metrics = metrics
+        self._api_key = api_key
+        routes = [
+            Route("/v1/completions", _api(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", _api(self.chat_completions), methods=["POST"]),
+            Route("/v1/models", _api(self.models), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/tokenize", _api(self.tokenize), methods=["POST"]),
+            Route("/detokenize", _api(self.detokenize), methods=["POST"]),
+        ]
+        self._app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self._api_key is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self._api_key.encode()):
+                err = APIError("invalid or missing API key", 401, code="invalid_api_key")
+                await json_response(err.body(), 401)(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+    # ---- endpoints ----
+
+    async def completions(self, request: Request) -> Response:
+        req = decode_body(await request.body(), CompletionRequest)
+        self._check_model(req.model)
+        params = req.params()
+        add_special = req.add_special_tokens is not False
+        prompts = [self._encode(p, i, add_special) for i, p in enumerate(req.prompts())]
+        self._check_room(prompts, params)
+        env = R.Envelope("cmpl", uuid.uuid4().hex, self.name)
+        states = await self._submit(prompts, params)
+        if req.stream:
+            return EventStream(self._completion_events(req, env, prompts, states))
+        outs = await _until_done_or_gone(request, self._finals(states))
+        choices, num_generated = [], 0
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            for c in out.outputs:
+                num_generated += len(c.token_ids)
+                text = self._prompt_text(p) + c.text if req.echo else c.text
+                lp = None
+                if req.logprobs is not None:
+                    lp = R.LegacyLogprobs()
+                    lp = _join(lp.chunk(p.ids, out.prompt_logprobs, self.engine.token_text) if req.echo else None,
+                               lp.chunk(c.token_ids, c.logprobs, self.engine.token_text))
+                choice = {"index": i * params.n + c.index, "text": text, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if params.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(choice)
+        num_prompt = sum(len(p.ids) for p in prompts)
+        return json_response(env.body("text_completion", choices, usage=R.usage(num_prompt, num_generated)))
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = decode_body(await request.body(), ChatCompletionRequest)
+        self._check_model(req.model)
+        params = req.params()
+        conversation = req.conversation()
+        prompt = self._chat_prompt(conversation, req.add_generation_prompt, req.continue_final_message,
+                                   req.chat_template_kwargs, req.add_special_tokens is True)
+        self._check_room([prompt], params)
+        # echo: the reply continues the last message when that has the reply's role
+        prefix = conversation[-1]["content"] if req.echo and conversation[-1]["role"] == "assistant" else ""
+        env = R.Envelope("chatcmpl", uuid.uuid4().hex, self.name)
+        (state,) = await self._submit([prompt], params)
+        if req.stream:
+            return EventStream(self._chat_events(req, env, prompt, state, prefix))
+        (out,) = await _until_done_or_gone(request, self._finals([state]))
+        choices = []
+        for c in out.outputs:
+            lp = self._chat_logprobs(req, params, c) if req.logprobs else None
+            choice = {"index": c.index, "message": {"role": "assistant", "content": prefix + c.text},
+                      "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if params.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
+            choices.append(choice)
+        num_generated = sum(len(c.token_ids) for c in out.outputs)
+        return json_response(env.body("chat.completion", choices, usage=R.usage(len(prompt.ids), num_generated)))
+
+    async def models(self, request: Request) -> Response:
+        info = self.engine.info
+        card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "headrace",
+                "root": info.model, "max_model_len": info.max_model_len}
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_dead:
+            return Response(b"the engine core is dead", 503)
+        return Response(b"", 200)
+
+    async def metrics(self, request: Request) -> Response:
+        if self._metrics is None:
+            return Response(b"metrics are not exported by this server", 404)
+        return Response(await self._metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def tokenize(self, request: Request) -> Response:
+        req = decode_body(await request.body(), TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give either prompt or messages", param="prompt")
+        tok = self.engine.tokenizer
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        else:
+            conversation = ChatCompletionRequest(messages=req.messages).conversation()
+            ids = self._chat_prompt(conversation, req.add_generation_prompt, req.continue_final_message,
+                                    req.chat_template_kwargs, req.add_special_tokens is True).ids
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": self.engine.info.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        req = decode_body(await request.body(), DetokenizeRequest)
+        self._check_model(req.model)
+        vocab = self.engine.info.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        return json_response({"prompt": self.engine.tokenizer.decode(req.tokens)})
+
+    # ---- requests in ----
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(f"the model {model!r} does not exist; this server serves {self.name!r}", 404,
+                           param="model", type_="NotFoundError", code="model_not_found")
+
+    def _encode(self, prompt: str | list[int], index: int, add_special: bool) -> _Prompt:
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special) if text is not None else prompt
+        self._check_prompt(ids, "the prompt" if index == 0 else f"prompt {index}")
+        return _Prompt(text, ids)
+
+    def _chat_prompt(self, conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                     kwargs: dict | None, add_special: bool) -> _Prompt:
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise APIError("the model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **(kwargs or {}))
+        except Exception as e:  # the template's own checks (roles, order) raise template errors
+            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+        ids = tok.encode(text, add_special_tokens=add_special)
+        self._check_prompt(ids, "the conversation")
+        return _Prompt(text, ids)
+
+    def _check_prompt(self, ids: list[int], name: str) -> None:
+        try:
+            check_prompt(ids, self.engine.info.max_model_len, self.engine.info.vocab_size, name)
+        except ValueError as e:
+            raise APIError(str(e), param="prompt") from None
+
+    def _check_room(self, prompts: list[_Prompt], params: SamplingParams) -> None:
+        limit = self.engine.info.max_model_len
+        longest = max(len(p.ids) for p in prompts)
+        if params.max_tokens is not None and longest + params.max_tokens > limit:
+            raise APIError(f"this model's context is {limit} tokens, but the prompt has {longest} tokens and "
+                           f"max_tokens asks for {params.max_tokens} more", param="max_tokens")
+
+    async def _submit(self, prompts: list[_Prompt], params: SamplingParams) -> list[RequestState]:
+        base = uuid.uuid4().hex
+        states: list[RequestState] = []
+        try:
+            for i, p in enumerate(prompts):
+                states.append(await self.engine.submit(p.text, p.ids, params, f"{base}-{i}"))
+        except BaseException:
+            for s in states:
+                await self.engine.abort(s.request_id)
+            raise
+        return states
+
+    # ---- results out ----
+
+    async def _finals(self, states: list[RequestState]) -> list:
+        async def last(state: RequestState):
+            out = None
+            async for out in self.engine.outputs(state):
+                pass
+            return out
+
+        if len(states) == 1:
+            return [await last(states[0])]
+        return await asyncio.gather(*map(last, states))
+
+    async def _merged(self, states: list[RequestState]) -> AsyncIterator:
+        """(prompt index, output) of every request, as they come."""
+        if len(states) == 1:
+            async for out in self.engine.outputs(states[0]):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, state: RequestState) -> None:
+            try:
+                async for out in self.engine.outputs(state):
+                    queue.put_nowait((i, out, None))
+            except Exception as e:
+                queue.put_nowait((i, None, e))
+            queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
+        try:
+            open_ = len(tasks)
+            while open_:
+                i, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    open_ -= 1
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _prompt_text(self, p: _Prompt) -> str:
+        return p.text if p.text is not None else self.engine.tokenizer.decode(p.ids)
+
+    async def _completion_events(self, req: CompletionRequest, env: R.Envelope, prompts: list[_Prompt],
+                                 states: list[RequestState]) -> AsyncIterator[bytes]:
+        n = states[0].params.n
+        num_prompt = sum(len(p.ids) for p in prompts)
+        num_generated = 0
+        logprobs: dict[int, R.LegacyLogprobs] = {}  # choice index -> its running text offset
+        started: set[int] = set()
+        text_of = self.engine.token_text
+        async for i, out in self._merged(states):
+            events = []
+            for c in out.outputs:
+                index = i * n + c.index
+                num_generated += len(c.token_ids)
+                text, lp, prompt_lp = c.text, None, None
+                first = index not in started
+                if first:
+                    started.add(index)
+                    if req.echo:
+                        text = self._prompt_text(prompts[i]) + text
+                if req.logprobs is not None:
+                    lps = logprobs.setdefault(index, R.LegacyLogprobs())
+                    prompt_lp = lps.chunk(prompts[i].ids, out.prompt_logprobs, text_of) if first and req.echo \
+                        else None
+                    lp = _join(prompt_lp, lps.chunk(c.token_ids, c.logprobs, text_of))
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if first and out.prompt_logprobs is not None and req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
+                extra = {"usage": R.usage(num_prompt, num_generated)} if _continuous(req) else {}
+                events.append(_event(env.body("text_completion", [choice], **extra)))
+            if events:
+                yield b"".join(events)
+        if req.include_usage:
+            yield _event(env.body("text_completion", [], usage=R.usage(num_prompt, num_generated)))
+
+    async def _chat_events(self, req: ChatCompletionRequest, env: R.Envelope, prompt: _Prompt, state: RequestState,
+                           prefix: str) -> AsyncIterator[bytes]:
+        params = state.params
+        num_generated = 0
+        # The role first, for every choice, before any token: the client sees the stream open at once.
+        yield b"".join(_event(env.body("chat.completion.chunk", [
+            {"index": j, "delta": {"role": "assistant", "content": prefix}, "logprobs": None, "finish_reason": None}
+        ])) for j in range(params.n))
+        async for _, out in self._merged([state]):
+            events = []
+            for c in out.outputs:
+                num_generated += len(c.token_ids)
+                lp = self._chat_logprobs(req, params, c) if req.logprobs else None
+                choice = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                          "finish_reason": c.finish_reason}
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                extra = {"usage": R.usage(len(prompt.ids), num_generated)} if _continuous(req) else {}
+                events.append(_event(env.body("chat.completion.chunk", [choice], **extra)))
+            if events:
+                yield b"".join(events)
+        if req.include_usage:
+            yield _event(env.body("chat.completion.chunk", [], usage=R.usage(len(prompt.ids), num_generated)))
+
+    def _chat_logprobs(self, req: ChatCompletionRequest, params: SamplingParams, c) -> dict:
+        return R.chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, params.logprob_token_ids)
+
+
+class EventStream:
+    """A text/event-stream response from an iterator of ready-made events.
+
+    The iterator runs beside a watch on the connection: when the client
+    disconnects the iterator is cancelled and closed at once (aborting its
+    requests), whether or not an event was due. An error raised by the
+    iterator reaches the client as an error event, then [DONE].
+    """
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
+        pump = asyncio.create_task(self._pump(send))
+        gone = asyncio.create_task(_disconnected(receive))
+        try:
+            await asyncio.wait((pump, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (pump, gone):
+                t.cancel()
+            await asyncio.gather(pump, gone, return_exceptions=True)
+            await self.events.aclose()
+
+    async def _pump(self, send) -> None:
+        try:
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (asyncio.CancelledError, OSError):
+            raise
+        except Exception as e:
+            await send({"type": "http.response.body", "body": _event(_error(e).body()), "more_body": True})
+        await send({"type": "http.response.body", "body": _DONE, "more_body": False})
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_done_or_gone(request: Request, work: Awaitable):
+    """work's result, or cancel it (aborting its requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.create_task(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone
+    return task.result()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+def _continuous(req) -> bool:
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
+
+
+def _join(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return b
+    return {k: a[k] + b[k] for k in a}
+
+
+def _error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(f"the engine core is dead: {e}", 503, type_="ServiceUnavailableError")
+    if isinstance(e, (ValueError, TypeError)):  # refused by the engine or the core: the message names the field
+        word = str(e).split(" ", 1)[0]
+        return APIError(str(e), param=word if word in _PARAMS else None)
+    logger.exception("internal error", exc_info=e)
+    return APIError(f"internal error: {type(e).__name__}", 500, type_="InternalServerError")
+
+
+_PARAMS = set(ChatCompletionRequest.__struct_fields__) | set(CompletionRequest.__struct_fields__)
+
+
+def _api(handler):
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ClientGone:
+            return Response(b"", 499)  # nobody reads it; the requests were aborted
+        except Exception as e:
+            err = _error(e)
+            return json_response(err.body(), err.status)
+
+    return endpoint
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return json_response(APIError(str(exc.detail), exc.status_code, type_="NotFoundError" if exc.status_code == 404
+                                  else "invalid_request_error").body(), exc.status_code)
