@@ -57,7 +57,7 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 ENGINES = {
     "default": dict(max_model_len=512),
     "chunked": dict(max_model_len=512, max_num_batched_tokens=24, max_num_seqs=3),
-    "preempting": dict(max_model_len=160, block_size=8, num_kv_blocks=24, max_num_batched_tokens=64),
+    "preempting": dict(max_model_len=96, block_size=8, num_kv_blocks=14, max_num_batched_tokens=64),
 }
 
 

@@ -111,7 +111,7 @@ class OpenAIServer:
                 num_generated += len(c.token_ids)
                 text = self._prompt_text(p) + c.text if req.echo else c.text
                 lp = None
-                if req.logprobs is not None:
+                if req.wants_logprobs:
                     lp = R.LegacyLogprobs()
                     lp = _join(lp.chunk(p.ids, out.prompt_logprobs, self.engine.token_text) if req.echo else None,
                                lp.chunk(c.token_ids, c.logprobs, self.engine.token_text))
@@ -307,7 +307,7 @@ class OpenAIServer:
                     started.add(index)
                     if req.echo:
                         text = self._prompt_text(prompts[i]) + text
-                if req.logprobs is not None:
+                if req.wants_logprobs:
                     lps = logprobs.setdefault(index, R.LegacyLogprobs())
                     prompt_lp = lps.chunk(prompts[i].ids, out.prompt_logprobs, text_of) if first and req.echo \
                         else None

@@ -116,9 +116,13 @@ class CompletionRequest(_Generation, kw_only=True, forbid_unknown_fields=True):
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
         # echo with logprobs scores the prompt too, as OpenAI's legacy API does
         prompt_logprobs = self.prompt_logprobs
-        if self.echo and self.logprobs is not None and prompt_logprobs is None:
-            prompt_logprobs = self.logprobs
+        if self.echo and self.wants_logprobs and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs or 0  # with logprob_token_ids, the prompt is scored on those ids
         return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None or self.logprob_token_ids is not None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request, each a string or a list of token ids."""
@@ -171,7 +175,11 @@ class ChatCompletionRequest(_Generation, kw_only=True, forbid_unknown_fields=Tru
             raise APIError(f"tool_choice {self.tool_choice!r} is not supported (only 'none')", param="tool_choice")
         if self.add_generation_prompt and self.continue_final_message:
             raise APIError("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise APIError("logprob_token_ids needs logprobs=true", param="logprob_token_ids")
+        # with logprob_token_ids, those ids are the top_logprobs entries
+        logprobs = None if not self.logprobs else self.top_logprobs if self.logprob_token_ids is not None \
+            else (self.top_logprobs or 0)
         return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
     def conversation(self) -> list[dict[str, Any]]:

@@ -85,6 +85,7 @@ def serve(args: argparse.Namespace, engine_args) -> int:
         shown = f"[{args.host}]" if ":" in args.host else args.host
         print(f"headrace serve: {engine_args.model} at http://{shown}:{port}/v1 "
               f"({args.api_servers} API server{'s' if args.api_servers > 1 else ''})", flush=True)
+        print(f"headrace serve: engine core at {core.address} (AsyncEngine.connect joins it)", flush=True)
         while not stopping:
             if not core.alive() or any(p.poll() is not None for p in api):
                 which = "the engine core" if not core.alive() else "an API server"

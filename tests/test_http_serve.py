@@ -1,0 +1,136 @@
+"""`headrace serve` as processes: clients that disconnect, several API
+servers on one port, the API key, and a core that dies."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from headrace import AsyncEngine
+from tests.cores import wait_until_idle
+from tests.servers import Serve, wait_for
+
+# Close to a thousand engine steps: far longer than the clients below wait.
+LONG = {"max_tokens": 960, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    s = Serve(checkpoint("qwen3"), "--api-servers", "2", "--served-model-name", "tiny", "--max-model-len", "1024")
+    yield s
+    assert s.stop() == 0
+    assert not s.children()
+
+
+def core_idle(server: Serve) -> None:
+    async def check():
+        async with AsyncEngine.connect(server.core_address) as engine:
+            await wait_until_idle(engine)
+
+    asyncio.run(check())
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    aborted = server.metric("headrace:request_success_total", finished_reason="abort")
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.base_url + "/completions",
+                         json={"model": "tiny", "prompt": "The river", "stream": True, **LONG}) as r:
+            assert r.status_code == 200
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    break  # leaving the block closes the connection
+    wait_for(lambda: server.metric("headrace:request_success_total", finished_reason="abort") == aborted + 1,
+             what="the stream's abort")
+    core_idle(server)
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
+    aborted = server.metric("headrace:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/chat/completions", timeout=0.3,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "Tell a long story"}], "n": 2, **LONG})
+    wait_for(lambda: server.metric("headrace:request_success_total", finished_reason="abort") == aborted + 1,
+             what="the request's abort")
+    core_idle(server)
+
+
+def test_two_api_servers_share_the_port_and_the_metrics(server):
+    """24 connections spread over both API servers; /metrics on either shows both frontends and the core."""
+    def finished_by_frontend() -> dict[str, float]:
+        _, page = server.get("/metrics")
+        out = {}
+        for m in re.finditer(r'headrace:request_success_total\{([^}]*)\} (\S+)', page.decode()):
+            frontend = re.search(r'frontend="(\w+)"', m.group(1)).group(1)
+            out[frontend] = out.get(frontend, 0.0) + float(m.group(2))
+        return out
+
+    before = finished_by_frontend()
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=60) as http:  # a connection of its own
+            r = http.post(server.base_url + "/completions", json={"model": "tiny", "prompt": f"river {i}",
+                                                                  "max_tokens": 4})
+            assert r.status_code == 200, r.text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = finished_by_frontend()
+    grew = {f for f in after if after[f] > before.get(f, 0.0)}
+    assert len(grew) == 2, after
+    assert sum(after.values()) - sum(before.values()) == 24
+    assert server.metric("headrace:generation_tokens_total") >= 24 * 4  # the core's series are there too
+
+
+def test_api_key_is_required_on_v1(checkpoint):
+    s = Serve(checkpoint("qwen3"), env={"HEADRACE_API_KEY": "sekret"})
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0).models.list()
+        c = openai.OpenAI(base_url=s.base_url, api_key="sekret", max_retries=0)
+        model = c.models.list().data[0].id
+        assert c.completions.create(model=model, prompt="Hi", max_tokens=3).usage.completion_tokens >= 1
+        assert s.get("/health")[0] == 200 and s.get("/metrics")[0] == 200
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_dead_core_answers_503_and_the_server_exits(checkpoint):
+    s = Serve(checkpoint("qwen3"), "--max-model-len", "1024", env={"HEADRACE_HEARTBEAT_TIMEOUT": "1"})
+    children = s.children()
+    core = next(p for p in children if " core " in open(f"/proc/{p}/cmdline").read().replace("\0", " "))
+    result = {}
+
+    def wait_whole() -> None:
+        r = httpx.post(s.base_url + "/completions", timeout=60, json={"prompt": "The river", **LONG})
+        result["status"], result["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=wait_whole)
+    t.start()
+    time.sleep(0.5)
+    os.kill(core, signal.SIGKILL)
+    t.join(30)
+    assert result["status"] == 503, result
+    assert "dead" in result["body"]["error"]["message"]
+    assert s.proc.wait(30) == 1  # the server stops when its core dies
+    for pid in children:
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "zombie" in _state(pid), what=f"process {pid} to end")
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return f.read().lower()
+    except FileNotFoundError:
+        return "zombie"
