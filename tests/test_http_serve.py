@@ -91,6 +91,10 @@ def test_two_api_servers_share_the_port_and_the_metrics(server):
     assert len(grew) == 2, after
     assert sum(after.values()) - sum(before.values()) == 24
     assert server.metric("headrace:generation_tokens_total") >= 24 * 4  # the core's series are there too
+    _, page = server.get("/metrics")
+    types = [line for line in page.decode().splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types))  # one family per name, holding both frontends'
+    assert "# TYPE headrace:time_to_first_token_seconds histogram" in types
 
 
 def test_api_key_is_required_on_v1(checkpoint):

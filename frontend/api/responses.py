@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from headrace.core.outputs import CompletionOutput, Logprob
+from headrace.core.outputs import Logprob
 
 NEG_INF_LOGPROB = -9999.0
 
@@ -77,10 +77,6 @@ def prompt_logprobs_json(rows) -> list | None:
     return [None if row is None else
             {str(t): {"logprob": clamp(e.logprob), "rank": e.rank, "decoded_token": e.decoded_token}
              for t, e in row.items()} for row in rows]
-
-
-def finish(c: CompletionOutput) -> tuple[str | None, int | str | None]:
-    return c.finish_reason, c.stop_reason
 
 
 class Envelope:
