@@ -6,7 +6,10 @@
 #   throughput  benchmarks/throughput.py
 #   logprobs    benchmarks/logprobs_cost.py
 #   streaming   benchmarks/streaming.py
-#   serving     benchmarks/serving.py (in-process peer, bursts, scale-out, Poisson arrivals)
+#   serving     benchmarks/serving.py (in-process peer, bursts, scale-out, HTTP, Poisson arrivals); its http
+#               part needs among the wheels starlette, uvicorn, httptools, openai, pydantic, pydantic-core,
+#               jiter, distro, sniffio, annotated-types, typing-inspection (cp312 for the compiled ones;
+#               the machine has httpx, anyio, h11, click and tqdm)
 #   prefill     benchmarks/prefill_step.py, profiling batch 64 with a 512-token prompt
 #   gguf        benchmarks/gguf_parity.py (needs gguf and accelerate among the wheels and the SmolLM2
 #               file already in $HEADRACE_CACHE_DIR/smollm2: the machine cannot fetch it)

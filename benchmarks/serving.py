@@ -1,10 +1,12 @@
 """What a user of the streaming frontend gets on the community workload:
 AsyncEngine's output tokens/s against the engine core driven in-process, with
 and without logprobs, from one and from several frontend processes, and the
-latency of requests that arrive as a Poisson process.
+latency of requests that arrive as a Poisson process; and the same burst
+through the OpenAI-compatible HTTP server with the openai client.
 
-    python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,poisson]
-        [--num-requests 256] [--frontends 2] [--rates 8,24] [--repeats 1] [--loop-load MS]
+    python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,http,poisson]
+        [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--rates 8,24]
+        [--repeats 1] [--loop-load MS]
         [--device auto] [--model DIR] [--max-prompt 1024] [--max-output 1024] [--json PATH]
 
 Workload (benchmarks_common.workload, as in throughput.py): seed 0; prompts
@@ -29,6 +31,15 @@ Parts:
   AsyncEngine.connect to one `headrace core` process; without and with
   logprobs; timed from telling the ready processes to start until the last
   reports.
+- http: the burst through `headrace serve` (--api-servers API server
+  processes on one port, over a core with the engine args of burst), sent by
+  --http-clients processes, each its share of the requests at once with the
+  openai client's AsyncOpenAI: one streamed /v1/completions each (token-id
+  prompt, ignore_eos as an extra body field, usage in the last chunk). A
+  request counts the completion_tokens of its usage chunk; one that errs or
+  gets other than its max_tokens counts as failed. The client parses every
+  chunk with pydantic, so one client process would bound the figure; the
+  processes are timed as scaleout's. Target: at least 0.9 of burst's tok/s.
 - poisson: for each of --rates, the requests arrive at exponential
   intervals (random.Random(1); the first at once), each submitted at its arrival time by its own
   task through one AsyncEngine (DELTA). At the client: TTFT = the first output
@@ -38,23 +49,29 @@ Parts:
   3x its p50.
 
 burst, burst-logprobs and poisson share one spawned engine (a new one after
-an EngineDeadError), run before scaleout starts its core. Before each timed
-run the engine serves the same requests cut to 2 output tokens (which
-compiles the kernels for every prefill shape); start-up and this warm-up are
-never timed. Throughput is output tokens over the wall time from submitting
-the first request until the last finished. --loop-load MS blocks each
-frontend process's event loop for MS ms every 10 ms with a busy Python loop
-during the burst, scaleout and poisson runs, as a busy application would.
+an EngineDeadError), run before scaleout starts its core, and the server of
+http starts after that. Before each timed run the engine serves the same
+requests cut to 2 output tokens (which compiles the kernels for every
+prefill shape; for http, sent through HTTP by the client processes);
+start-up and this warm-up are never timed. Throughput is output tokens over
+the wall time from submitting the first request until the last finished.
+--loop-load MS blocks each frontend process's event loop for MS ms every 10
+ms with a busy Python loop during the burst, scaleout and poisson runs, as a
+busy application would (not in the API servers of http).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import json
 import random
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -65,7 +82,7 @@ from benchmarks_common import (ScheduleRecorder, StepFloor, core_process, measur
 from headrace import AsyncEngine, EngineDeadError, RequestOutputKind, SamplingParams
 from headrace.frontend.async_engine import run
 
-PARTS = ("inproc", "burst", "burst-logprobs", "scaleout", "poisson")
+PARTS = ("inproc", "burst", "burst-logprobs", "scaleout", "http", "poisson")
 NUM_LOGPROBS = 5
 
 
@@ -79,6 +96,12 @@ def requests(args, vocab: int) -> tuple[list[list[int]], list[int]]:
     if vocab < 10000:
         prompts = [[t % vocab for t in p] for p in prompts]
     return [p[:args.max_prompt] for p in prompts], [min(m, args.max_output) for m in max_tokens]
+
+
+def engine_options(args) -> dict:
+    """The EngineArgs, beside the model, of the engines of inproc, burst and http."""
+    return {"device": args.device, "max_model_len": args.max_model_len, "max_num_seqs": args.num_requests,
+            "enable_prefix_caching": False}
 
 
 # ---- inproc: the engine core in this process ----
@@ -102,8 +125,7 @@ def in_process(args, prompts, max_tokens) -> dict:
 
     cuda = args.device.startswith("cuda")
     ceilings = measure_ceilings(torch.device(args.device)) if cuda else None
-    core = EngineCore(EngineArgs(model=args.model, device=args.device, max_model_len=args.max_model_len,
-                                 max_num_seqs=len(prompts), enable_prefix_caching=False))
+    core = EngineCore(EngineArgs(model=args.model, **engine_options(args)))
     try:
         step_all(core, prompts, [2] * len(prompts))  # warm-up
         rec = ScheduleRecorder(core)
@@ -223,9 +245,8 @@ class SpawnedEngine:
         if self.engine is None:
             a = self.args
             self.stack = contextlib.AsyncExitStack()
-            self.engine = await self.stack.enter_async_context(AsyncEngine.from_model(
-                a.model, max_model_len=a.max_model_len, enable_prefix_caching=False, max_num_seqs=a.num_requests,
-                device=a.device))
+            self.engine = await self.stack.enter_async_context(AsyncEngine.from_model(a.model,
+                                                                                      **engine_options(a)))
         result = await part(self.engine, *part_args)
         if result["dead_streams"]:
             await self.close()
@@ -284,12 +305,88 @@ def scale_out(args, prompts, max_tokens) -> list[dict]:
     return results
 
 
+# ---- http: `headrace serve` and openai client processes ----
+
+@contextlib.contextmanager
+def api_server(args):
+    """`headrace serve` on a free loopback port with the engine args of burst;
+    yields its base URL once it serves, and stops it on leaving (SIGTERM,
+    then SIGKILL; its core and API servers die with it)."""
+    from headrace.core.config import EngineArgs
+    from headrace.frontend.core_process import engine_args_to_cli
+
+    cmd = [sys.executable, "-m", "headrace.frontend.cli", "serve", "--port", "0", "--api-servers",
+           str(args.api_servers), *engine_args_to_cli(EngineArgs(model=args.model, **engine_options(args)))]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        ready = re.search(r" at (http://\S+/v1) ", proc.stdout.readline())
+        if ready is None:
+            raise RuntimeError("headrace serve did not start; its log is above")
+        yield ready.group(1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def http_burst(client, model: str, prompts, max_tokens) -> dict:
+    """All requests at once, one streamed completion each: output tokens (the
+    usage chunks' completion_tokens), failed requests, their first errors, seconds."""
+    async def complete(prompt, m):
+        tokens = 0
+        try:
+            stream = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=m, temperature=0.6, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            if tokens != m:
+                raise ValueError(f"completion_tokens {tokens}, max_tokens {m}")
+            return tokens, None
+        except Exception as e:
+            return tokens, f"{type(e).__name__}: {e}"
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*map(complete, prompts, max_tokens))
+    errors = [e for _, e in done if e is not None]
+    return {"tokens": sum(t for t, _ in done), "failed_requests": len(errors), "errors": errors[:3],
+            "seconds": time.perf_counter() - t0}
+
+
+async def http_client_process(url: str, job: dict) -> dict:
+    """An http client (benchmarks_common.run_workers): warm up, ready, go, burst."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as client:
+        await http_burst(client, job["model"], job["prompts"], [2] * len(job["prompts"]))
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+        return await http_burst(client, job["model"], job["prompts"], job["max_tokens"])
+
+
+def http(args, prompts, max_tokens) -> dict:
+    n = args.http_clients
+    with api_server(args) as url:
+        jobs = [{"model": args.model, "prompts": prompts[i::n], "max_tokens": max_tokens[i::n]} for i in range(n)]
+        seconds, answers = run_workers([sys.executable, __file__, "--http-client", url], jobs)
+    result = {"seconds": seconds, "tokens": sum(a["tokens"] for a in answers),
+              "failed_requests": sum(a["failed_requests"] for a in answers),
+              "errors": [e for a in answers for e in a["errors"]][:5], "clients": answers}
+    log("http", result)
+    return result
+
+
 # ---- report ----
 
 def log(name: str, result: dict) -> None:
-    dead = f"; streams with EngineDeadError: {result['dead_streams']}" if "dead_streams" in result else ""
+    counts = (("dead_streams", "streams with EngineDeadError"), ("failed_requests", "failed requests"))
+    notes = "".join(f"; {label}: {result[k]}" for k, label in counts if k in result)
     print(f"{name}: {result['tokens']} output tokens in {result['seconds']:.2f} s = "
-          f"{tok_s(result):.0f} tok/s{dead}", flush=True)
+          f"{tok_s(result):.0f} tok/s{notes}", flush=True)
 
 
 def tok_s(result: dict) -> float:
@@ -315,10 +412,11 @@ def path_rows(results: dict, expected: int, args) -> list[dict]:
                          f"{inproc['seconds'] / floor:.2f} (copy {inproc['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
                          f"bf16 matmul {inproc['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s)")
         row("in-process EngineCore (peer)", peer, notes, [inproc])
-    plain = None
+    plain = burst = None
     if "burst" in results:
         plain, notes = median_of_runs(results["burst"])
         row("AsyncEngine.from_model, 1 frontend", plain, notes, results["burst"])
+        burst = plain
     if "burst-logprobs" in results:
         value, notes = median_of_runs(results["burst-logprobs"])
         row(f"AsyncEngine.from_model, 1 frontend, logprobs={NUM_LOGPROBS}", value,
@@ -330,6 +428,15 @@ def path_rows(results: dict, expected: int, args) -> list[dict]:
         row(label, plain, notes, runs[:1])
         value, notes = median_of_runs(runs[1:])
         row(f"{label}, logprobs={NUM_LOGPROBS}", value, notes + of_no_logprobs(value, plain), runs[1:])
+    if "http" in results:
+        r = results["http"]
+        value, of_burst = tok_s(r), tok_s(r) / burst if burst else None
+        notes = [f"{of_burst:.3f} of burst (>= 0.9: {'yes' if of_burst >= 0.9 else 'no'})"] if of_burst else []
+        if r["failed_requests"]:
+            notes.append(f"{r['failed_requests']} failed requests, first: {r['errors'][0]}")
+        row(f"headrace serve, openai client (--api-servers {args.api_servers}, --http-clients {args.http_clients})",
+            value, notes, [r])
+        rows[-1]["of_burst"] = of_burst
     return rows
 
 
@@ -386,6 +493,8 @@ def parse_args():
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--frontends", type=int, default=2, help="frontend processes of scaleout")
+    parser.add_argument("--api-servers", type=int, default=2, help="API server processes of http")
+    parser.add_argument("--http-clients", type=int, default=4, help="openai client processes of http")
     parser.add_argument("--rates", default="8,24", help="Poisson arrival rates, requests/s")
     parser.add_argument("--repeats", type=int, default=1, help="runs of burst-logprobs")
     parser.add_argument("--loop-load", type=float, default=0.0, metavar="MS",
@@ -396,11 +505,15 @@ def parse_args():
     parser.add_argument("--max-output", type=int, default=1024, help="cut max_tokens to this")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--frontend", default=None, help=argparse.SUPPRESS)  # a scaleout frontend process
+    parser.add_argument("--http-client", default=None, help=argparse.SUPPRESS)  # an http client process
     args = parser.parse_args()
     args.parts = args.parts.split(",")
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    missing = [m for m in ("openai", "starlette", "uvicorn", "httptools") if importlib.util.find_spec(m) is None]
+    if "http" in args.parts and missing:
+        parser.error(f"the http part needs {', '.join(missing)} (and their dependencies); or leave it out of --parts")
     args.rates = [float(r) for r in args.rates.split(",")]
     return args
 
@@ -410,6 +523,10 @@ def main() -> None:
     if args.frontend:
         print(json.dumps(run(frontend_process(args.frontend, json.loads(sys.stdin.readline())))), flush=True)
         return
+    if args.http_client:
+        print(json.dumps(run(http_client_process(args.http_client, json.loads(sys.stdin.readline())))), flush=True)
+        return
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind as on Ctrl-C, stopping what was started
     import torch
 
     from headrace.core.config import ModelConfig
@@ -433,6 +550,8 @@ def main() -> None:
     results.update(run(spawned_engine_parts(args, prompts, max_tokens)))
     if "scaleout" in args.parts:
         results["scaleout"] = scale_out(args, prompts, max_tokens)
+    if "http" in args.parts:
+        results["http"] = http(args, prompts, max_tokens)
     paths = path_rows(results, expected, args)
     poisson_results = poisson_rows(results.get("poisson", []))
     print_tables(paths, poisson_results)
@@ -441,6 +560,7 @@ def main() -> None:
             json.dump({"model": args.model, "device": args.device, "num_requests": len(prompts),
                        "prompt_tokens": sum(map(len, prompts)), "output_tokens": expected,
                        "max_model_len": args.max_model_len, "loop_load_ms": args.loop_load,
+                       "api_servers": args.api_servers, "http_clients": args.http_clients,
                        "paths": paths, "poisson": poisson_results}, f, indent=1)
 
 
