@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from headrace import AsyncEngine
+from headrace import LLM, AsyncEngine, SamplingParams
 from tests.conftest import hf_greedy, hf_logprobs
 from tests.cores import wait_until_idle
 from tests.servers import Serve
@@ -193,6 +193,12 @@ def test_extra_body_fields_reach_the_engine(client, model_name, tok, path, hf_mo
         assert [t.token for t in entry.top_logprobs] == [tok.decode([5]), tok.decode([9])]
         row = ref[len(ids) + k - 1]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx([row[5].item(), row[9].item()], abs=1e-4)
+    # in a completion with echo, the prompt's positions are scored on the same ids
+    r = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
+                                  extra_body={"logprob_token_ids": [5, 9]})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(tok.encode(PROMPTS[0])) + 4 and lp.top_logprobs[0] is None
+    assert all({tok.decode([5]), tok.decode([9])} <= set(top) for top in lp.top_logprobs[1:])
     # min_tokens and ignore_eos: exactly max_tokens tokens; a stop string cuts the text
     r = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                   extra_body={"ignore_eos": True, "min_tokens": 12})
@@ -204,6 +210,22 @@ def test_extra_body_fields_reach_the_engine(client, model_name, tok, path, hf_mo
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].text == full[: full.index(stop)]
         assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_sampling_fields_match_the_offline_engine(client, model_name, path):
+    """Penalties, logit_bias, min_p, top_k and the seed mean over HTTP what they
+    mean in SamplingParams: a seeded request's text equals LLM.generate's."""
+    fields = dict(temperature=0.9, top_p=0.95, seed=3, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=16)
+    extra = dict(repetition_penalty=1.3, min_p=0.05, top_k=20, ignore_eos=True)
+    bias = {"17": 8.0, "23": -100.0}
+    r = client.completions.create(model=model_name, prompt=PROMPTS, logit_bias=bias, extra_body=extra, **fields)
+    sp = SamplingParams(**fields, **extra, logit_bias={int(k): v for k, v in bias.items()})
+    with LLM(path, max_model_len=256, block_size=8) as llm:
+        offline = llm.generate(PROMPTS, sp, use_tqdm=False)
+        plain = llm.generate(PROMPTS, SamplingParams(temperature=0.9, seed=3, max_tokens=16), use_tqdm=False)
+    assert [c.text for c in r.choices] == [o.outputs[0].text for o in offline]
+    assert [c.text for c in r.choices] != [o.outputs[0].text for o in plain]  # the fields changed something
+    assert all(23 not in o.outputs[0].token_ids for o in offline)
 
 
 BAD = [
