@@ -6,6 +6,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -95,6 +97,13 @@ def test_two_api_servers_share_the_port_and_the_metrics(server):
     types = [line for line in page.decode().splitlines() if line.startswith("# TYPE ")]
     assert len(types) == len(set(types))  # one family per name, holding both frontends'
     assert "# TYPE headrace:time_to_first_token_seconds histogram" in types
+
+
+def test_a_second_server_on_the_port_is_refused(server, checkpoint):
+    port = server.base_url.rsplit(":", 1)[1].split("/")[0]
+    r = subprocess.run([sys.executable, "-m", "headrace.frontend.cli", "serve", "--model", str(checkpoint("qwen3")),
+                        "--port", port], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cannot listen" in r.stderr and "in use" in r.stderr
 
 
 def test_api_key_is_required_on_v1(checkpoint):

@@ -51,6 +51,26 @@ def listening_socket(host: str, port: int, listen: bool) -> socket.socket:
     return sock
 
 
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A bound (not listening) SO_REUSEPORT socket on (host, port) holding the
+    port for the API servers. The port is first bound without SO_REUSEPORT,
+    so a port another server holds, headrace's included, is refused instead
+    of shared with it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, never past a listener
+            probe.bind((host, port))
+            port = probe.getsockname()[1]
+        return listening_socket(host, port, listen=False)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 # ---- the parent ----
 
 
@@ -60,12 +80,12 @@ def serve(args: argparse.Namespace, engine_args) -> int:
 
     if args.api_servers < 1:
         raise ValueError(f"--api-servers must be >= 1, got {args.api_servers}")
-    reserved = listening_socket(args.host, args.port, listen=False)
+    reserved = reserve_port(args.host, args.port)
     port = reserved.getsockname()[1]
     run_dir = tempfile.mkdtemp(prefix="headrace-serve-")  # mode 0700: the frontends' metrics URLs
     stopping = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.append(True))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # start-up (loading the model) is interrupted at once
+        signal.signal(sig, _interrupt)
     core = CoreProcess.spawn(engine_args, metrics_port=0)
     api: list[subprocess.Popen] = []
     code = 1
@@ -86,6 +106,8 @@ def serve(args: argparse.Namespace, engine_args) -> int:
         print(f"headrace serve: {engine_args.model} at http://{shown}:{port}/v1 "
               f"({args.api_servers} API server{'s' if args.api_servers > 1 else ''})", flush=True)
         print(f"headrace serve: engine core at {core.address} (AsyncEngine.connect joins it)", flush=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stopping.append(True))
         while not stopping:
             if not core.alive() or any(p.poll() is not None for p in api):
                 which = "the engine core" if not core.alive() else "an API server"
@@ -95,6 +117,8 @@ def serve(args: argparse.Namespace, engine_args) -> int:
         code = 0 if stopping else 1
     except RuntimeError as e:
         print(f"headrace serve: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("headrace serve: interrupted during start-up", file=sys.stderr, flush=True)
     finally:
         for p in api:
             if p.poll() is None:
