@@ -227,6 +227,7 @@ class EngineArgs:
     seed: int = 0
     logprobs_mode: str = "raw"
     logits_processors: tuple = ()
+    tensor_parallel_size: int = 1  # ranks (worker processes, one GPU each) that split the model
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -253,6 +254,10 @@ class EngineArgs:
             raise ValueError("logits_processors must be a sequence of LogitsProcessor classes or "
                              "'module:Class' strings")
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and not all(isinstance(p, str) for p in self.logits_processors):
+            raise ValueError("with tensor_parallel_size > 1 the workers load logits_processors themselves: "
+                             "give them as 'module:Class' strings")
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

@@ -14,6 +14,8 @@ from headrace.core.request import Request, check_prompt
 from headrace.core.scheduler import Scheduler
 from headrace.executor.model_runner import ModelRunner
 from headrace.executor.models.loader import resolve_model_path
+from headrace.executor.parallel import check_shardable
+from headrace.executor.workers import TPExecutor
 from headrace.metrics.stats import EngineStats
 
 
@@ -26,7 +28,11 @@ class EngineCore:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        self.executor = ModelRunner(self.model_config, self.sched_config, args)
+        if args.tensor_parallel_size > 1:
+            check_shardable(self.model_config, args.tensor_parallel_size)
+            self.executor = TPExecutor(self.model_config, self.sched_config, args)
+        else:
+            self.executor = ModelRunner(self.model_config, self.sched_config, args)
         self.cache_config = CacheConfig(args.block_size, self.executor.num_blocks, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.cache_config)
         self._rng = random.Random(args.seed)  # seeds for requests that bring none

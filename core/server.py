@@ -92,6 +92,7 @@ class CoreServer:
         self._pull.bind(self._out_address)
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._exit_reason = "the engine core is shutting down"  # what frontends are told when it stops
         self._io_thread: threading.Thread | None = None
         # internal request id -> (frontend identity, the frontend's request id)
         self._owners: dict[str, tuple[bytes, str]] = {}
@@ -157,6 +158,10 @@ class CoreServer:
                 self._handle_inbox(push, block=not self.engine.has_unfinished)
                 if self.engine.has_unfinished:
                     self._send_outputs(push, self.engine.step())
+        except Exception as e:  # the engine is broken (e.g. a tensor-parallel worker died): say why, then stop
+            logger.exception("the engine failed")
+            self._exit_reason = f"the engine core failed: {e}"
+            raise
         finally:
             self._stop.set()
             push.close()
@@ -281,7 +286,7 @@ class CoreServer:
                         else:
                             router.send_multipart([identity, heartbeat])
                     self._num_frontends = len(last_seen)
-            exit_msg = encode(CoreExit(reason="the engine core is shutting down"))
+            exit_msg = encode(CoreExit(reason=self._exit_reason))
             for identity in last_seen:
                 router.send_multipart([identity, exit_msg])
         finally:

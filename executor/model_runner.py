@@ -16,6 +16,7 @@ from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.models.loader import load_model
 from headrace.executor.sampler import SampledLogprobs, sample
 from headrace.executor.logits_processors import load_logits_processors
+from headrace.executor.parallel import TPGroup, local_kv_heads
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
@@ -52,9 +53,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs]  # request id -> this step's prompt positions
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes over all layers."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int) -> int:
+    """Bytes one KV block takes over all layers (num_kv_heads: those this rank holds)."""
+    return 2 * cfg.num_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,8 +77,13 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> None:
+    """One rank's runner: under tensor parallelism every rank runs one, in
+    lockstep, on the same inputs (executor/workers.py)."""
+
+    def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs,
+                 tp: TPGroup = TPGroup()) -> None:
         self.device = resolve_device(args.device)
+        self.tp = tp
         if self.device.type == "cpu" and args.gpu_memory_utilization != 0.9:
             raise ConfigError("gpu_memory_utilization applies to a GPU; on the CPU the KV pool is sized by "
                               "num_kv_blocks or HEADRACE_CPU_KV_CACHE_GB")
@@ -87,9 +93,10 @@ class ModelRunner:
             torch.set_num_threads(envs.cpu_threads())
         self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, self.device)
         self.block_size = args.block_size
-        self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len)
-        self.num_blocks = self._num_blocks(model_cfg, sched_cfg, args)
-        shape = (2, self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len, tp)
+        self.num_kv_heads = local_kv_heads(model_cfg, tp)[1]  # this rank's
+        self.num_blocks = tp.min_int(self._num_blocks(model_cfg, sched_cfg, args), self.device)  # ranks agree
+        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, model_cfg.head_dim)
         self.kv_caches = []
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -139,7 +146,7 @@ class ModelRunner:
                     f"raise num_kv_blocks or lower max_model_len"
                 )
             return args.num_kv_blocks
-        block_bytes = kv_block_bytes(model_cfg, self.block_size, self.dtype)
+        block_bytes = kv_block_bytes(model_cfg, self.block_size, self.dtype, self.num_kv_heads)
         if self.device.type == "cpu":
             budget = envs.cpu_kv_cache_gb() * 2**30
         else:
@@ -175,7 +182,7 @@ class ModelRunner:
         total = sched_cfg.max_num_batched_tokens
         lens = [min(sched_cfg.max_model_len, total - i) for i in range(0, total, sched_cfg.max_model_len)]
         blocks = [-(-n // bs) for n in lens]
-        cache = torch.empty(2, sum(blocks), bs, model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,
+        cache = torch.empty(2, sum(blocks), bs, self.num_kv_heads, model_cfg.head_dim, dtype=self.dtype,
                             device=dev)
         layers = self.model.attention_layers()
         for layer in layers:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import signal
 import sys
 
 from headrace import envs
+from headrace.lifetime import die_with_parent
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -95,19 +95,6 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     return serve(args, EngineArgs(**{k: v for k, v in vars(args).items() if k in fields}))
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel send SIGTERM when the parent exits (Linux); the busy
-    loop also checks getppid() for other systems and for a parent that died
-    before this ran."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
-        sys.exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

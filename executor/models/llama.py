@@ -1,7 +1,8 @@
 """Llama-family decoders: Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
 
 Projections are fused (q|k|v, gate|up); the loader maps the checkpoint's
-separate tensors into their slices.
+separate tensors into their slices. Under tensor parallelism each rank holds
+the slices executor/parallel.py describes (tp_slice cuts them).
 """
 from __future__ import annotations
 
@@ -11,20 +12,23 @@ from torch import nn
 from headrace.core.config import ModelConfig
 from headrace.executor.attention import Attention, AttentionMetadata
 from headrace.executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.head_dim = cfg.num_heads // tp.size, cfg.head_dim
+        self.first_kv_head, self.num_kv_heads = local_kv_heads(cfg, tp)
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -34,26 +38,28 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta).view(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v, meta).view(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = tp
+        self.intermediate_size = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, rotary)
+        self.self_attn = DecoderAttention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -75,20 +81,29 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.cfg, self.tp = cfg, tp
+        self.vocab_start, self.vocab_rows = vocab_rows(cfg.vocab_size, tp)  # this rank's slice of the vocabulary
+        self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.vocab_rows, bias=False)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        x = self.embed_tokens(local.clamp(0, self.vocab_rows - 1)).masked_fill(outside[:, None], 0)
+        return self.tp.all_reduce(x)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
@@ -96,10 +111,37 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        logits = nn.functional.linear(hidden, weight).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.cfg.vocab_size]
 
     def shard_sizes(self, fused: str) -> list[int]:
         attn = self.layers[0].self_attn
         if fused == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.cfg.intermediate_size] * 2
+        return [self.layers[0].mlp.intermediate_size] * 2
+
+    def tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor `name` (our naming, after
+        q/k/v and gate/up are told apart by `part`)."""
+        tp = self.tp
+        if tp.size == 1:
+            return tensor
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        if name.startswith(("embed_tokens.", "lm_head.")):
+            rows = tensor[self.vocab_start : self.vocab_start + self.vocab_rows]
+            pad = self.vocab_rows - rows.shape[0]
+            return torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])]) if pad else rows
+        if ".q_proj." in name:
+            return tensor.narrow(0, tp.rank * attn.q_size, attn.q_size)
+        if ".k_proj." in name or ".v_proj." in name:
+            return tensor.narrow(0, attn.first_kv_head * attn.head_dim, attn.kv_size)
+        if ".gate_proj." in name or ".up_proj." in name:
+            return tensor.narrow(0, tp.rank * mlp.intermediate_size, mlp.intermediate_size)
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            cols = attn.q_size if "o_proj" in name else mlp.intermediate_size
+            return tensor.narrow(1, tp.rank * cols, cols)
+        if name.endswith(("o_proj.bias", "down_proj.bias")):
+            return tensor if tp.rank == 0 else torch.zeros_like(tensor)  # added once by the all-reduce
+        return tensor  # norms: every rank holds them whole

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from headrace.core.config import ConfigError, ModelConfig
 from headrace.executor.models.gguf import GGUFFile, hf_config, hf_tensors, is_gguf
 from headrace.executor.models.llama import LlamaForCausalLM
+from headrace.executor.parallel import TPGroup
 
 MODELS = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
 # Checkpoint tensors that carry nothing we need.
@@ -55,9 +56,11 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> torch.nn.Module:
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+               tp: TPGroup = TPGroup()) -> torch.nn.Module:
+    """The model with this rank's slice of every weight (all of them for one rank)."""
     with torch.device(device):
-        model = MODELS[cfg.model_type](cfg, max_positions)
+        model = MODELS[cfg.model_type](cfg, max_positions, tp)
     model = model.to(dtype).eval().requires_grad_(False)
     params = dict(model.named_parameters())
     loaded: dict[str, int] = {name: 0 for name in params}  # parameter -> elements written
@@ -93,6 +96,7 @@ def _load_tensor(model, params, loaded, ckpt_name: str, tensor: torch.Tensor) ->
     name = ckpt_name.removeprefix("model.")
     if name == "lm_head.weight" and model.lm_head is None:
         return  # tied embeddings: the checkpoint may carry a copy
+    tensor = model.tp_slice(name, tensor)
     target, offset = name, 0
     for part, (fused, shard) in model.stacked_params.items():
         if f".{part}." in name:

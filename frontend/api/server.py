@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     import logging
 
     from headrace.frontend.async_engine import run
-    from headrace.frontend.cli import die_with_parent
+    from headrace.lifetime import die_with_parent
 
     parser = argparse.ArgumentParser(description="one API server process of `headrace serve`")
     for flag in ("--core", "--core-metrics-url", "--host", "--run-dir", "--served-model-name"):
