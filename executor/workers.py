@@ -126,7 +126,8 @@ class TPExecutor:
         self.processors = list(args.logits_processors)  # the workers load them; the core only asks whether any
         self.states = _Slots()
         self.closed = False
-        cuda = resolve_device(args.device).type == "cuda"
+        device = resolve_device(args.device)
+        first_gpu = device.index or 0 if device.type == "cuda" else None  # rank r takes GPU first_gpu + r
         try:
             for rank in range(size):
                 sock = self._ctx.socket(zmq.PUSH)
@@ -138,7 +139,7 @@ class TPExecutor:
                      "--size", str(size), "--dir", self._dir, "--parent-pid", str(os.getpid())],
                     stdin=subprocess.DEVNULL))
             for rank, sock in enumerate(self._calls):
-                rank_args = dataclasses.replace(args, device=f"cuda:{rank}") if cuda else args
+                rank_args = args if first_gpu is None else dataclasses.replace(args, device=f"cuda:{first_gpu + rank}")
                 sock.send(self._encoder.encode(Init(model_config=model_cfg, sched_config=sched_cfg, args=rank_args)))
             ready = [self._receive(Ready) for _ in range(size)]
         except BaseException:

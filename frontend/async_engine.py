@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -65,16 +66,26 @@ class AsyncEngine:
     from_model spawns a core process that lives as long as this engine (and
     never outlives this process); connect joins a core already running.
 
+    Data parallelism: with several cores (from_model's data_parallel_size,
+    or connect with a list of addresses) each request goes to the core with
+    the fewest of this frontend's requests and streams from it to the end.
+    A core that dies fails its own requests; the engine then counts as dead
+    (new requests raise EngineDeadError) while the other cores finish theirs.
+
     Request-level Prometheus metrics (docs/metrics.md): metrics_port serves
     them on 127.0.0.1:port (0 = a free port; see self.metrics_port), or
     metrics_registry registers them into the application's own registry.
     """
 
-    def __init__(self, address: str, process: CoreProcess | None = None, *, metrics_port: int | None = None,
-                 metrics_registry=None) -> None:
+    def __init__(self, address: str | Sequence[str], process: CoreProcess | Sequence[CoreProcess] | None = None, *,
+                 metrics_port: int | None = None, metrics_registry=None) -> None:
         check_metrics_options(metrics_port, metrics_registry)
-        self.address = address
-        self._process = process
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ValueError("give at least one core address")
+        self.address = self.addresses[0]
+        self._processes = [] if process is None else [process] if isinstance(process, CoreProcess) else list(process)
+        self._process = self._processes[0] if self._processes else None
         self.frontend_id = uuid.uuid4().hex[:12]
         self._stats: FrontendStats | None = None
         self._metrics_server: MetricsServer | None = None
@@ -87,31 +98,46 @@ class AsyncEngine:
                 self.metrics_port = self._metrics_server.port
             self._metrics_collector = frontend_collector(metrics_registry)
             self._metrics_collector.add(self._stats)
-        self._client: EngineClient | None = None
+        self._clients: list[EngineClient] = []  # one per core, in the order of self.addresses
+        self._load: list[int] = []  # core -> this frontend's live requests on it
+        self._last_core = -1  # the core the last request went to
         self._start_lock: asyncio.Lock | None = None
         self.tokenizer = None
         self.info: Ready | None = None
         self._states: dict[str, RequestState] = {}  # live requests: not finished, not failed
         self._ids = itertools.count()
         self._token_text: TokenText | None = None
-        self._output_task: asyncio.Task | None = None
+        self._output_tasks: list[asyncio.Task] = []
 
     @classmethod
     def from_model(cls, model: str, *, metrics_port: int | None = None, metrics_registry=None,
-                   core_metrics_port: int | None = None, **engine_args) -> AsyncEngine:
-        """Spawn a core for model; core_metrics_port has it serve its own series
-        on 127.0.0.1:port (metrics_port is this frontend's)."""
+                   core_metrics_port: int | None = None, data_parallel_size: int = 1, **engine_args) -> AsyncEngine:
+        """Spawn data_parallel_size cores for model (on a GPU machine core i
+        takes the tensor_parallel_size GPUs from i * tensor_parallel_size);
+        core_metrics_port has each serve its own series on 127.0.0.1:port
+        (with several cores only 0, a free port each; metrics_port is this
+        frontend's)."""
         check_metrics_options(metrics_port, metrics_registry)
+        if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
+        if data_parallel_size > 1 and core_metrics_port not in (None, 0):
+            raise ValueError("several cores cannot share core_metrics_port; give 0 (a free port each) or None")
         args = EngineArgs(model=str(model), **engine_args)
-        process = CoreProcess.spawn(args, metrics_port=core_metrics_port)
+        processes = []
         try:
-            return cls(process.address, process, metrics_port=metrics_port, metrics_registry=metrics_registry)
+            for i in range(data_parallel_size):
+                processes.append(CoreProcess.spawn(core_args(args, i), metrics_port=core_metrics_port))
+            return cls([p.address for p in processes], processes, metrics_port=metrics_port,
+                       metrics_registry=metrics_registry)
         except BaseException:
-            process.shutdown()
+            for p in processes:
+                p.shutdown()
             raise
 
     @classmethod
-    def connect(cls, address: str, *, metrics_port: int | None = None, metrics_registry=None) -> AsyncEngine:
+    def connect(cls, address: str | Sequence[str], *, metrics_port: int | None = None,
+                metrics_registry=None) -> AsyncEngine:
+        """Join running cores: one address, or several (data parallel)."""
         return cls(address, metrics_port=metrics_port, metrics_registry=metrics_registry)
 
     async def __aenter__(self) -> AsyncEngine:
@@ -126,21 +152,30 @@ class AsyncEngine:
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
         async with self._start_lock:
-            if self._client is None:
-                alive = self._process.alive if self._process is not None else None
-                client = EngineClient(self.address, alive)
-                self.info = await client.start()
+            if not self._clients:
+                clients = []
                 try:
+                    for i, address in enumerate(self.addresses):
+                        alive = self._processes[i].alive if self._processes else None
+                        clients.append(EngineClient(address, alive))
+                        info = await clients[-1].start()
+                        if self.info is not None and _serves(info) != _serves(self.info):
+                            raise ValueError(f"the core at {address} serves {_serves(info)}, the core at "
+                                             f"{self.addresses[0]} {_serves(self.info)}; data-parallel cores must match")
+                        self.info = self.info or info
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, self.info.tokenizer)
                     self._token_text = await asyncio.to_thread(TokenText, self.tokenizer, self.info.vocab_size)
                 except BaseException:
-                    await client.close()
+                    for client in clients:
+                        await client.close()
+                    self.info = None
                     raise
                 if self._stats is not None:
                     with self._stats.lock:
                         self._stats.model_name = self.info.model
-                self._client = client
-                self._output_task = asyncio.get_running_loop().create_task(self._receive_outputs())
+                self._clients, self._load = clients, [0] * len(clients)
+                loop = asyncio.get_running_loop()
+                self._output_tasks = [loop.create_task(self._receive_outputs(i)) for i in range(len(clients))]
         return self.info
 
     @property
@@ -150,7 +185,8 @@ class AsyncEngine:
 
     @property
     def is_dead(self) -> bool:
-        return self._client is not None and self._client.dead is not None
+        """Whether a core of this engine has died."""
+        return any(c.dead is not None for c in self._clients)
 
     async def generate(
         self,
@@ -184,10 +220,11 @@ class AsyncEngine:
                     await state.wait()
         finally:
             if self._states.get(state.request_id) is state:
-                del self._states[state.request_id]
+                self._forget(state)
                 state.abort()
-                if not self.is_dead:
-                    self._client.abort([state.request_id])
+                client = self._clients[state.core]
+                if client.dead is None:
+                    client.abort([state.request_id])
 
     async def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                           request_id: str | None = None) -> RequestState:
@@ -212,9 +249,18 @@ class AsyncEngine:
         arrival = time.time()
         state = RequestState(request_id, text, token_ids, params, self.tokenizer, self._token_text, arrival)
         state.stats = self._stats
-        self._client.add(request_id, token_ids, params, arrival)
+        # The least loaded core; among equals, the next after the last one chosen.
+        n, after = len(self._clients), self._last_core + 1
+        state.core = self._last_core = min(range(n), key=lambda i: (self._load[i], (i - after) % n))
+        self._clients[state.core].add(request_id, token_ids, params, arrival)
         self._states[request_id] = state
+        self._load[state.core] += 1
         return state
+
+    def _forget(self, state: RequestState) -> None:
+        """Drop a live request from this frontend's books (its core's load included)."""
+        del self._states[state.request_id]
+        self._load[state.core] -= 1
 
     def _resolve_params(self, params: SamplingParams) -> SamplingParams:
         """Check token ids against the vocabulary and tokenize bad_words."""
@@ -264,35 +310,41 @@ class AsyncEngine:
         if unknown:
             raise KeyError(f"unknown request ids: {unknown}")
         self._check_alive()
-        self._client.abort(ids)
         for rid in ids:
-            self._states.pop(rid).abort()
+            state = self._states[rid]
+            self._clients[state.core].abort([rid])
+            self._forget(state)
+            state.abort()
 
     async def stats(self):
-        """The core's counters (requests, KV blocks, slots)."""
+        """The core's counters (requests, KV blocks, slots); with several cores, their sums."""
         await self.start()
         self._check_alive()
-        return await self._client.stats()
+        every = await asyncio.gather(*(c.stats() for c in self._clients))
+        if len(every) == 1:
+            return every[0]
+        return msgspec.structs.replace(every[0], **{f: sum(getattr(s, f) for s in every)
+                                                      for f in every[0].__struct_fields__})
 
     async def aclose(self) -> None:
         """Leave the core (stopping it, if this engine spawned it); requests still
         running fail with EngineDeadError."""
-        if self._output_task is not None:
-            self._output_task.cancel()
-            await asyncio.gather(self._output_task, return_exceptions=True)
-            self._output_task = None
-        if self._client is not None:
-            await self._client.close()
-            self._fail_all(EngineDeadError("the engine was closed"))
-            self._client = None
-        if self._process is not None:
-            await asyncio.to_thread(self._process.shutdown)
+        for task in self._output_tasks:
+            task.cancel()
+        await asyncio.gather(*self._output_tasks, return_exceptions=True)
+        self._output_tasks = []
+        if self._clients:
+            for client in self._clients:
+                await client.close()
+            self._fail(EngineDeadError("the engine was closed"))
+            self._clients = []
+        await asyncio.gather(*(asyncio.to_thread(p.shutdown) for p in self._processes))
         self._close_metrics()
 
     def shutdown(self) -> None:
-        """Stop a spawned core (from sync code; in async code use aclose())."""
-        if self._process is not None:
-            self._process.shutdown()
+        """Stop spawned cores (from sync code; in async code use aclose())."""
+        for p in self._processes:
+            p.shutdown()
         self._close_metrics()
 
     def _close_metrics(self) -> None:
@@ -304,29 +356,31 @@ class AsyncEngine:
             self._metrics_server = None
 
     def _check_alive(self) -> None:
-        if self._client is not None and self._client.dead is not None:
-            raise EngineDeadError(str(self._client.dead))
+        for client in self._clients:
+            if client.dead is not None:
+                raise EngineDeadError(str(client.dead))
 
     # ---- the receive side: one task takes what the client's I/O thread received ----
 
-    async def _receive_outputs(self) -> None:
-        client = self._client
+    async def _receive_outputs(self, core: int) -> None:
+        client = self._clients[core]
         while True:
             for msg in await client.receive():
                 if isinstance(msg, StepOutputs):
-                    await self._on_outputs(msg)
+                    await self._on_outputs(msg, client)
                 elif isinstance(msg, RequestError):
-                    state = self._states.pop(msg.request_id, None)
+                    state = self._states.get(msg.request_id)
                     if state is not None:
+                        self._forget(state)
                         state.fail(ValueError(msg.message))
                 elif isinstance(msg, Stats):
                     client.on_stats(msg)
                 elif isinstance(msg, EngineDeadError):
                     client.fail_waiters(msg)
-                    self._fail_all(msg)
+                    self._fail(msg, core)
                     return
 
-    async def _on_outputs(self, msg: StepOutputs) -> None:
+    async def _on_outputs(self, msg: StepOutputs, client: EngineClient | None) -> None:
         """Hand one step's outputs to their requests, yielding to the event loop
         between chunks so consumers (and the application) run meanwhile. A
         request aborted during a yield ignores the rest: its state is finished."""
@@ -342,7 +396,7 @@ class AsyncEngine:
                 except Exception as e:  # a bug must cost this request, not the stream of every other
                     logger.exception("failed to process the output of request %r", state.request_id)
                     if states.get(state.request_id) is state:
-                        del states[state.request_id]
+                        self._forget(state)
                         aborts.append(state.request_id)
                     state.fail(e)
                     continue
@@ -350,17 +404,36 @@ class AsyncEngine:
                     aborts += state.stopped_by_string
                     state.stopped_by_string = []
                 if state.finished and states.get(state.request_id) is state:
-                    del states[state.request_id]
+                    self._forget(state)
                     state.record_finished()
                 state.notify()
-        if aborts and not self.is_dead:
-            self._client.abort(aborts)
+        if aborts and client.dead is None:
+            client.abort(aborts)
 
-    def _fail_all(self, err: EngineDeadError) -> None:
-        for state in self._states.values():
+    def _fail(self, err: EngineDeadError, core: int | None = None) -> None:
+        """Fail the live requests of one core (None: of every core)."""
+        for state in [s for s in self._states.values() if core is None or s.core == core]:
+            self._forget(state)
             state.fail(EngineDeadError(str(err)))
-        self._states.clear()
 
 
 # Outputs handled between two yields to the event loop: about a millisecond of work.
 _CHUNK = 64
+
+
+def _serves(info: Ready) -> tuple:
+    return info.model, info.vocab_size, info.max_model_len
+
+
+def core_args(args: EngineArgs, index: int) -> EngineArgs:
+    """The arguments of data-parallel core `index`: on a GPU machine its
+    ranks take the tensor_parallel_size GPUs from index * tensor_parallel_size."""
+    if index == 0:
+        return args
+    from headrace.executor.model_runner import resolve_device
+
+    device = resolve_device(args.device)
+    if device.type != "cuda":
+        return args
+    first = (device.index or 0) + index * args.tensor_parallel_size
+    return dataclasses.replace(args, device=f"cuda:{first}")

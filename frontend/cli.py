@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free port, printed on start)")
     srv.add_argument("--api-servers", type=int, default=1, help="HTTP server processes sharing the port")
+    srv.add_argument("--data-parallel-size", type=int, default=1,
+                     help="engine cores; each API server spreads its requests over all of them")
     srv.add_argument("--api-key", default=envs.api_key(), help="require this bearer token on /v1/* "
                      "(default: $HEADRACE_API_KEY; none if unset)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")

@@ -213,6 +213,7 @@ class RequestState:
         self._token_text = token_text
         self.stopped_by_string: list[str] = []  # "id#i" (or "id") of samples a stop string ended
         self.stats: FrontendStats | None = None  # where request-level metrics go, if anywhere
+        self.core = 0  # which of the frontend's cores serves it (data parallel)
         self.error: BaseException | None = None  # raised to the consumer once its outputs are taken
         self._num_unfinished = params.n
         self._final_sent = False

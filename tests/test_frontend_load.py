@@ -192,7 +192,7 @@ def test_a_step_is_handled_in_chunks_that_yield_to_the_loop(tmp_path):
 
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0)
-        await engine._on_outputs(msg)
+        await engine._on_outputs(msg, client=None)  # nothing to abort: the client is never used
         task.cancel()
         return ticks
 

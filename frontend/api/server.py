@@ -1,9 +1,10 @@
 """`headrace serve`: one engine-core process and N HTTP API server processes.
 
     headrace serve (this module's serve(), the parent)
-      |-- headrace core          the engine, on a private ipc socket; metrics on a loopback port
+      |-- headrace core 1..D     the engine (D with --data-parallel-size), each on a private ipc
+                                 socket; metrics on a loopback port
       |-- API server 1..N        python -m headrace.frontend.api.server: uvicorn + an AsyncEngine
-                                 frontend connected to the core's socket
+                                 frontend connected to every core's socket
 
 The parent binds the listening port with SO_REUSEPORT (learning the port
 when --port is 0) and keeps it bound; every API server binds the same port
@@ -76,26 +77,32 @@ def _interrupt(*_) -> None:
 
 def serve(args: argparse.Namespace, engine_args) -> int:
     """Run `headrace serve` until a signal or a child's exit; returns the exit code."""
+    from headrace.frontend.async_engine import core_args
     from headrace.frontend.core_process import CoreProcess
 
     if args.api_servers < 1:
         raise ValueError(f"--api-servers must be >= 1, got {args.api_servers}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     reserved = reserve_port(args.host, args.port)
     port = reserved.getsockname()[1]
     run_dir = tempfile.mkdtemp(prefix="headrace-serve-")  # mode 0700: the frontends' metrics URLs
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):  # start-up (loading the model) is interrupted at once
         signal.signal(sig, _interrupt)
-    core = CoreProcess.spawn(engine_args, metrics_port=0)
+    cores: list[CoreProcess] = []
     api: list[subprocess.Popen] = []
     code = 1
     try:
-        core_metrics = core.metrics_url()  # waits for the model to load
+        cores = [CoreProcess.spawn(core_args(engine_args, i), metrics_port=0) for i in range(args.data_parallel_size)]
+        core_flags = []
+        for core in cores:
+            core_flags += ["--core", core.address, "--core-metrics-url", core.metrics_url()]  # waits for the model
         env = dict(os.environ)
         if args.api_key:
             env["HEADRACE_API_KEY"] = args.api_key  # in the environment, not on a command line ps shows
-        cmd = [sys.executable, "-m", "headrace.frontend.api.server", "--core", core.address,
-               "--core-metrics-url", core_metrics, "--host", args.host, "--port", str(port), "--run-dir", run_dir,
+        cmd = [sys.executable, "-m", "headrace.frontend.api.server", *core_flags,
+               "--host", args.host, "--port", str(port), "--run-dir", run_dir,
                "--served-model-name", args.served_model_name or engine_args.model, "--parent-pid", str(os.getpid())]
         api = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
                for _ in range(args.api_servers)]
@@ -105,12 +112,13 @@ def serve(args: argparse.Namespace, engine_args) -> int:
         shown = f"[{args.host}]" if ":" in args.host else args.host
         print(f"headrace serve: {engine_args.model} at http://{shown}:{port}/v1 "
               f"({args.api_servers} API server{'s' if args.api_servers > 1 else ''})", flush=True)
-        print(f"headrace serve: engine core at {core.address} (AsyncEngine.connect joins it)", flush=True)
+        for core in cores:
+            print(f"headrace serve: engine core at {core.address} (AsyncEngine.connect joins it)", flush=True)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stopping.append(True))
         while not stopping:
-            if not core.alive() or any(p.poll() is not None for p in api):
-                which = "the engine core" if not core.alive() else "an API server"
+            if not all(c.alive() for c in cores) or any(p.poll() is not None for p in api):
+                which = "an engine core" if not all(c.alive() for c in cores) else "an API server"
                 print(f"headrace serve: {which} exited; stopping", file=sys.stderr, flush=True)
                 break
             time.sleep(0.2)
@@ -129,7 +137,8 @@ def serve(args: argparse.Namespace, engine_args) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        core.shutdown()
+        for core in cores:
+            core.shutdown()
         reserved.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
@@ -141,15 +150,15 @@ def serve(args: argparse.Namespace, engine_args) -> int:
 class _Metrics:
     """/metrics: this frontend's registry, the core's page and the other API servers' pages, merged."""
 
-    def __init__(self, registry, core_url: str, run_dir: Path, own_file: Path) -> None:
-        self.registry, self.core_url, self.run_dir, self.own_file = registry, core_url, run_dir, own_file
+    def __init__(self, registry, core_urls: list[str], run_dir: Path, own_file: Path) -> None:
+        self.registry, self.core_urls, self.run_dir, self.own_file = registry, core_urls, run_dir, own_file
 
     async def __call__(self) -> bytes:
         from prometheus_client import generate_latest
 
         from headrace.metrics.exporter import merge_expositions
 
-        urls = [self.core_url] + [f.read_text() for f in sorted(self.run_dir.glob("frontend-*.url"))
+        urls = self.core_urls + [f.read_text() for f in sorted(self.run_dir.glob("frontend-*.url"))
                                   if f != self.own_file]
         pages = await asyncio.gather(*(asyncio.to_thread(_fetch, u) for u in urls), return_exceptions=True)
         texts = [generate_latest(self.registry).decode()] + [p for p in pages if isinstance(p, str)]
@@ -210,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     from headrace.lifetime import die_with_parent
 
     parser = argparse.ArgumentParser(description="one API server process of `headrace serve`")
-    for flag in ("--core", "--core-metrics-url", "--host", "--run-dir", "--served-model-name"):
+    for flag in ("--core", "--core-metrics-url"):  # once per data-parallel core
+        parser.add_argument(flag, action="append", required=True)
+    for flag in ("--host", "--run-dir", "--served-model-name"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
