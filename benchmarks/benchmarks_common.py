@@ -29,6 +29,52 @@ def qwen3_06b_checkpoint():
                            full_vocab_tokenizer=True)
 
 
+def qwen3_8b_checkpoint():
+    """The Qwen3-8B shape with random bf16 weights (normal, std 0.02; norms
+    1), built once and cached: hidden 4096, 36 layers, 32 query and 8 KV heads
+    of 128, intermediate 12288, vocabulary 151936, untied embeddings. The
+    weights are drawn tensor by tensor in bf16 and written straight to
+    safetensors shards (a transformers init of 8B float32 parameters takes
+    minutes); the tokenizer covers the vocabulary as qwen3_06b_checkpoint's."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from headrace import envs
+    from headrace.testing.tokenizer import build_tokenizer
+
+    path = envs.cache_dir() / "qwen3-8b-random"
+    if (path / "model.safetensors.index.json").exists():
+        return path
+    work = path.with_name(path.name + ".part")
+    work.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(work, fill_to=151936)
+    config = Qwen3Config(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=12288, tie_word_embeddings=False,
+                         max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         dtype="bfloat16")
+    config.save_pretrained(work)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    weight_map, shard, size, index = {}, {}, 0, 0
+    names = list(shapes)
+    for i, name in enumerate(names):
+        shape = shapes[name]
+        t = torch.ones(shape, dtype=torch.bfloat16) if name.endswith("norm.weight") else \
+            (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        shard[name], size = t, size + t.numel() * 2
+        if size >= 4 * 2**30 or i == len(names) - 1:
+            file = f"model-{index:05d}.safetensors"
+            save_file(shard, str(work / file), metadata={"format": "pt"})
+            weight_map.update({n: file for n in shard})
+            shard, size, index = {}, 0, index + 1
+    (work / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    work.rename(path)
+    return path
+
+
 def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     """The small-engine community's workload: (prompts, max_tokens) of n requests,
     prompts of uniform [100, 1024] random token ids in [0, 10000), max_tokens
@@ -156,9 +202,14 @@ class StepFloor:
     layer for each (query, key) pair of attention."""
 
     def __init__(self, core, bw: float, rate: float) -> None:
+        import torch
+
+        from headrace.executor.models.loader import MODELS
+
         cfg = core.model_config
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in core.executor.model.parameters())
-        num_params = sum(p.numel() for p in core.executor.model.parameters())
+        with torch.device("meta"):  # the whole model's shapes, whatever ranks hold them
+            num_params = sum(p.numel() for p in MODELS[cfg.model_type](cfg, 1).parameters())
+        self.weight_bytes = num_params * core.executor.dtype.itemsize
         self.head_params = cfg.vocab_size * cfg.hidden_size
         # the embedding table is a lookup, not a matmul (tied: it is also the LM head)
         self.layer_params = num_params - self.head_params * (1 if cfg.tie_word_embeddings else 2)

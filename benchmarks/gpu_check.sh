@@ -13,6 +13,7 @@
 #   prefill     benchmarks/prefill_step.py, profiling batch 64 with a 512-token prompt
 #   gguf        benchmarks/gguf_parity.py (needs gguf and accelerate among the wheels and the SmolLM2
 #               file already in $HEADRACE_CACHE_DIR/smollm2: the machine cannot fetch it)
+#   parallel    benchmarks/parallel.py --configs tp1 (the Qwen3-8B shape on one GPU; tp2 and dp2 need two)
 #   frontend    benchmarks/frontend_cost.py on the Qwen3-0.6B checkpoint's tokenizer (CPU only)
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
 set -uo pipefail
@@ -40,6 +41,7 @@ for stage in "$@"; do
                | tee "$out/serving.log" ;;
     prefill) python3 benchmarks/prefill_step.py --profile 64x512 2>&1 | grep -v -i warn | tee "$out/prefill_step.log" ;;
     gguf) python3 benchmarks/gguf_parity.py --device cuda 2>&1 | grep -v -i warn | tee "$out/gguf_parity.log" ;;
+    parallel) python3 benchmarks/parallel.py --configs "${PARALLEL_CONFIGS:-tp1}" 2>&1 | grep -v -i warn | tee "$out/parallel.log" ;;
     frontend) python3 -c 'from benchmarks_common import qwen3_06b_checkpoint as c; print(c())' | tail -1 \
                 | xargs -I{} python3 benchmarks/frontend_cost.py --model {} 2>&1 | tee "$out/frontend_cost.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

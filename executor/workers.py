@@ -113,7 +113,7 @@ class TPExecutor:
     ModelRunner's execute / collect / remove / close, each sent to every rank."""
 
     def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> None:
-        from headrace.executor.model_runner import resolve_device
+        from headrace.executor.model_runner import resolve_device, resolve_dtype
 
         size = args.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="headrace-tp-")  # 0700: sockets and the process-group rendezvous
@@ -127,6 +127,7 @@ class TPExecutor:
         self.states = _Slots()
         self.closed = False
         device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device)  # what the ranks run in
         first_gpu = device.index or 0 if device.type == "cuda" else None  # rank r takes GPU first_gpu + r
         try:
             for rank in range(size):
