@@ -53,9 +53,10 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs]  # request id -> this step's prompt positions
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int) -> int:
-    """Bytes one KV block takes over all layers (num_kv_heads: those this rank holds)."""
-    return 2 * cfg.num_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes one KV block takes over all layers (num_kv_heads: those one rank holds; default all)."""
+    heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * dtype.itemsize
 
 
 def resolve_device(name: str) -> torch.device:
