@@ -33,8 +33,12 @@ class EngineCore:
             self.executor = TPExecutor(self.model_config, self.sched_config, args)
         else:
             self.executor = ModelRunner(self.model_config, self.sched_config, args)
-        self.cache_config = CacheConfig(args.block_size, self.executor.num_blocks, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.sched_config, self.cache_config)
+        try:
+            self.cache_config = CacheConfig(args.block_size, self.executor.num_blocks, args.enable_prefix_caching)
+            self.scheduler = Scheduler(self.sched_config, self.cache_config)
+        except BaseException:
+            self.executor.close()  # its memory, or its worker processes
+            raise
         self._rng = random.Random(args.seed)  # seeds for requests that bring none
         self._families: dict[str, list[str]] = {}  # request id -> its live samples' scheduler ids
         self.num_steps = 0

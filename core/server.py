@@ -81,51 +81,55 @@ class CoreServer:
     def __init__(self, args: EngineArgs, address: str, metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1") -> None:
         self.engine = EngineCore(args)
-        self.engine_id = uuid.uuid4().hex[:12]
-        self.model_name = self.engine.model_config.path
-        self.metrics_server = None
-        self.metrics_port: int | None = None
-        self._ctx = zmq.Context()
-        self._router, self.address = bind_router(self._ctx, address)
-        self._out_address = f"inproc://headrace-out-{self.engine_id}"
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(self._out_address)
-        self._inbox: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._exit_reason = "the engine core is shutting down"  # what frontends are told when it stops
-        self._io_thread: threading.Thread | None = None
-        # internal request id -> (frontend identity, the frontend's request id)
-        self._owners: dict[str, tuple[bytes, str]] = {}
-        self._by_frontend: dict[bytes, set[str]] = {}  # identity -> internal request ids
-        self._num_frontends = 0
-        mc = self.engine.model_config
-        self._ready = encode(Ready(
-            protocol=PROTOCOL_VERSION,
-            engine_id=self.engine_id,
-            model=mc.path,
-            tokenizer=args.tokenizer or mc.path,
-            max_model_len=self.engine.sched_config.max_model_len,
-            vocab_size=mc.vocab_size,
-            eos_token_ids=sorted(mc.eos_token_ids),
-            bos_token_id=mc.bos_token_id,
-            block_size=self.engine.cache_config.block_size,
-            num_kv_blocks=self.engine.cache_config.num_blocks,
-        ))
-        if metrics_port is not None:
-            from prometheus_client import CollectorRegistry
+        try:  # what fails from here on must not leave the engine's memory or workers behind
+            self.engine_id = uuid.uuid4().hex[:12]
+            self.model_name = self.engine.model_config.path
+            self.metrics_server = None
+            self.metrics_port: int | None = None
+            self._ctx = zmq.Context()
+            self._router, self.address = bind_router(self._ctx, address)
+            self._out_address = f"inproc://headrace-out-{self.engine_id}"
+            self._pull = self._ctx.socket(zmq.PULL)
+            self._pull.bind(self._out_address)
+            self._inbox: queue.Queue = queue.Queue()
+            self._stop = threading.Event()
+            self._exit_reason = "the engine core is shutting down"  # what frontends are told when it stops
+            self._io_thread: threading.Thread | None = None
+            # internal request id -> (frontend identity, the frontend's request id)
+            self._owners: dict[str, tuple[bytes, str]] = {}
+            self._by_frontend: dict[bytes, set[str]] = {}  # identity -> internal request ids
+            self._num_frontends = 0
+            mc = self.engine.model_config
+            self._ready = encode(Ready(
+                protocol=PROTOCOL_VERSION,
+                engine_id=self.engine_id,
+                model=mc.path,
+                tokenizer=args.tokenizer or mc.path,
+                max_model_len=self.engine.sched_config.max_model_len,
+                vocab_size=mc.vocab_size,
+                eos_token_ids=sorted(mc.eos_token_ids),
+                bos_token_id=mc.bos_token_id,
+                block_size=self.engine.cache_config.block_size,
+                num_kv_blocks=self.engine.cache_config.num_blocks,
+            ))
+            if metrics_port is not None:
+                from prometheus_client import CollectorRegistry
 
-            from headrace.metrics.exporter import MetricsServer
+                from headrace.metrics.exporter import MetricsServer
 
-            registry = CollectorRegistry()
-            registry.register(self.metrics_collector())
-            try:
-                self.metrics_server = MetricsServer(registry, metrics_host, metrics_port)
-            except BaseException:
-                self._router.close(linger=0)
-                self._pull.close()
-                self._ctx.term()
-                raise
-            self.metrics_port = self.metrics_server.port
+                registry = CollectorRegistry()
+                registry.register(self.metrics_collector())
+                try:
+                    self.metrics_server = MetricsServer(registry, metrics_host, metrics_port)
+                except BaseException:
+                    self._router.close(linger=0)
+                    self._pull.close()
+                    self._ctx.term()
+                    raise
+                self.metrics_port = self.metrics_server.port
+        except BaseException:
+            self.engine.close()
+            raise
 
     def metrics_collector(self):
         """A Prometheus collector of this core's series, labelled (model_name, engine)."""
