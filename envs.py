@@ -34,7 +34,7 @@ def heartbeat_timeout() -> float:
 def cpu_threads() -> int:
     """HEADRACE_CPU_THREADS: torch intra-op threads for a CPU executor (default:
     one less than the CPUs this process may use, leaving one for the engine's
-    socket and frontend threads; at least 1)."""
+    socket and frontend threads; at least 1). Tensor-parallel ranks on the CPU split them."""
     value = os.environ.get("HEADRACE_CPU_THREADS")
     if value:
         return max(1, int(value))

@@ -91,7 +91,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             # torch's OpenMP workers spin at barriers; with the engine's own
             # threads competing for the same cores, steps slow down severalfold.
-            torch.set_num_threads(envs.cpu_threads())
+            # Tensor-parallel ranks share the CPUs.
+            torch.set_num_threads(max(1, envs.cpu_threads() // tp.size))
         self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, self.device)
         self.block_size = args.block_size
         self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len, tp)

@@ -40,6 +40,9 @@ class LLM:
     """
 
     def __init__(self, model: str, *, metrics_port: int | None = None, metrics_registry=None, **kwargs) -> None:
+        if "data_parallel_size" in kwargs:
+            raise TypeError("LLM runs one engine core in this process; for several cores use "
+                            "AsyncEngine.from_model(..., data_parallel_size=N) or headrace serve --data-parallel-size N")
         unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {sorted(unknown)}")

@@ -89,3 +89,10 @@ def test_serve_spreads_over_two_cores(checkpoint):
         assert len(engines) == 2 and all(v > 0 for v in engines.values()), engines
     finally:
         assert s.stop() == 0
+
+
+def test_llm_refuses_data_parallel_with_a_pointer(checkpoint):
+    from headrace import LLM
+
+    with pytest.raises(TypeError, match="AsyncEngine.from_model"):
+        LLM(checkpoint("qwen3"), data_parallel_size=2)

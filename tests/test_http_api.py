@@ -285,6 +285,12 @@ def test_tokenize_detokenize_models_health(server, tok, model_name, path):
 
     ids = tok.encode(PROMPTS[1])
     assert post("/tokenize", {"prompt": PROMPTS[1]}) == {"tokens": ids, "count": len(ids), "max_model_len": 256}
+    long = " ".join(PROMPTS) * 400  # tokenized on a worker thread
+    assert post("/tokenize", {"prompt": long})["tokens"] == tok.encode(long)
+    with pytest.raises(openai.BadRequestError) as e:
+        openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0).completions.create(
+            model=model_name, prompt=long, max_tokens=4)
+    assert e.value.param == "prompt" and "max_model_len is 256" in e.value.message
     assert post("/tokenize", {"messages": CHAT})["tokens"] == chat_ids(tok, CHAT)
     assert post("/detokenize", {"tokens": ids}) == {"prompt": tok.decode(ids)}
     status, body = server.get("/v1/models")

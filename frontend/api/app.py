@@ -98,7 +98,7 @@ class OpenAIServer:
         self._check_model(req.model)
         params = req.params()
         add_special = req.add_special_tokens is not False
-        prompts = [self._encode(p, i, add_special) for i, p in enumerate(req.prompts())]
+        prompts = [await self._encode(p, i, add_special) for i, p in enumerate(req.prompts())]
         self._check_room(prompts, params)
         env = R.Envelope("cmpl", uuid.uuid4().hex, self.name)
         states = await self._submit(prompts, params)
@@ -128,8 +128,8 @@ class OpenAIServer:
         self._check_model(req.model)
         params = req.params()
         conversation = req.conversation()
-        prompt = self._chat_prompt(conversation, req.add_generation_prompt, req.continue_final_message,
-                                   req.chat_template_kwargs, req.add_special_tokens is True)
+        prompt = await self._chat_prompt(conversation, req.add_generation_prompt, req.continue_final_message,
+                                         req.chat_template_kwargs, req.add_special_tokens is True)
         self._check_room([prompt], params)
         # echo: the reply continues the last message when that has the reply's role
         prefix = conversation[-1]["content"] if req.echo and conversation[-1]["role"] == "assistant" else ""
@@ -172,11 +172,12 @@ class OpenAIServer:
             raise APIError("give either prompt or messages", param="prompt")
         tok = self.engine.tokenizer
         if req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            ids = await _off_loop(len(req.prompt), tok.encode, req.prompt,
+                                  add_special_tokens=req.add_special_tokens is not False)
         else:
             conversation = ChatCompletionRequest(messages=req.messages).conversation()
-            ids = self._chat_prompt(conversation, req.add_generation_prompt, req.continue_final_message,
-                                    req.chat_template_kwargs, req.add_special_tokens is True).ids
+            ids = (await self._chat_prompt(conversation, req.add_generation_prompt, req.continue_final_message,
+                                           req.chat_template_kwargs, req.add_special_tokens is True)).ids
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": self.engine.info.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
@@ -195,23 +196,28 @@ class OpenAIServer:
             raise APIError(f"the model {model!r} does not exist; this server serves {self.name!r}", 404,
                            param="model", type_="NotFoundError", code="model_not_found")
 
-    def _encode(self, prompt: str | list[int], index: int, add_special: bool) -> _Prompt:
+    async def _encode(self, prompt: str | list[int], index: int, add_special: bool) -> _Prompt:
         text = prompt if isinstance(prompt, str) else None
-        ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special) if text is not None else prompt
+        if text is not None:
+            ids = await _off_loop(len(text), self.engine.tokenizer.encode, text, add_special_tokens=add_special)
+        else:
+            ids = prompt
         self._check_prompt(ids, "the prompt" if index == 0 else f"prompt {index}")
         return _Prompt(text, ids)
 
-    def _chat_prompt(self, conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                     kwargs: dict | None, add_special: bool) -> _Prompt:
+    async def _chat_prompt(self, conversation: list[dict], add_generation_prompt: bool,
+                           continue_final_message: bool, kwargs: dict | None, add_special: bool) -> _Prompt:
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError("the model has no chat template; use /v1/completions", param="messages")
+        size = sum(len(m["content"]) for m in conversation)
         try:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message, **(kwargs or {}))
+            text = await _off_loop(size, tok.apply_chat_template, conversation, tokenize=False,
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, **(kwargs or {}))
         except Exception as e:  # the template's own checks (roles, order) raise template errors
             raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
-        ids = tok.encode(text, add_special_tokens=add_special)
+        ids = await _off_loop(len(text), tok.encode, text, add_special_tokens=add_special)
         self._check_prompt(ids, "the conversation")
         return _Prompt(text, ids)
 
@@ -410,6 +416,19 @@ async def _until_done_or_gone(request: Request, work: Awaitable):
 
 class ClientGone(Exception):
     """The client disconnected before its response was ready."""
+
+
+# Characters of prompt text above which tokenizing (or rendering a chat
+# template) runs on a worker thread: a long prompt would hold the event loop,
+# and every stream this server feeds, for milliseconds; a short one costs
+# less than the hop to a thread.
+_LONG_PROMPT = 8192
+
+
+async def _off_loop(size: int, fn, *args, **kwargs):
+    if size > _LONG_PROMPT:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def _continuous(req) -> bool:
