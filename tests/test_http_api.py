@@ -115,6 +115,13 @@ def test_completion_logprobs_with_echo_match_transformers(client, model_name, to
             assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1, tid].item(), abs=1e-4)
             assert max(lp.top_logprobs[pos].values()) == pytest.approx(ref[pos - 1].max().item(), abs=1e-4)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert "prompt_logprobs" not in r.choices[0].model_extra  # vLLM's field comes only when asked for
+    r = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for pos in range(1, len(ids)):
+        assert plp[pos][str(ids[pos])]["logprob"] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-4)
     # streamed: the same logprobs, in pieces
     chunks = [c for c in client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=6, temperature=0,
                                                    logprobs=3, echo=True, stream=True)]

@@ -117,7 +117,7 @@ class OpenAIServer:
                                lp.chunk(c.token_ids, c.logprobs, self.engine.token_text))
                 choice = {"index": i * params.n + c.index, "text": text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if params.prompt_logprobs is not None:
+                if req.prompt_logprobs is not None:  # asked for, not only implied by echo
                     choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
                 choices.append(choice)
         num_prompt = sum(len(p.ids) for p in prompts)
@@ -143,7 +143,7 @@ class OpenAIServer:
             lp = self._chat_logprobs(req, params, c) if req.logprobs else None
             choice = {"index": c.index, "message": {"role": "assistant", "content": prefix + c.text},
                       "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            if params.prompt_logprobs is not None:
+            if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
             choices.append(choice)
         num_generated = sum(len(c.token_ids) for c in out.outputs)
