@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 import urllib.request
 
 import openai
@@ -275,6 +276,24 @@ def test_bad_chat_parameters_are_refused_by_name(client, model_name, kwargs, par
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**{"model": model_name, "messages": CHAT, **kwargs})
     assert e.value.status_code == 400 and e.value.param == param, e.value.message
+
+
+def test_an_oversized_body_is_refused_with_413(server):
+    from headrace.frontend.api.app import MAX_BODY_BYTES
+
+    # Refused from its declared length, before any of it is sent.
+    host, port = server.root.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and "exceeds" in json.loads(body)["error"]["message"]
 
 
 def test_unknown_model_is_404_and_the_server_serves_on(client, model_name):

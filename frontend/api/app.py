@@ -94,7 +94,7 @@ class OpenAIServer:
     # ---- endpoints ----
 
     async def completions(self, request: Request) -> Response:
-        req = decode_body(await request.body(), CompletionRequest)
+        req = decode_body(await _body(request), CompletionRequest)
         self._check_model(req.model)
         params = req.params()
         add_special = req.add_special_tokens is not False
@@ -124,7 +124,7 @@ class OpenAIServer:
         return json_response(env.body("text_completion", choices, usage=R.usage(num_prompt, num_generated)))
 
     async def chat_completions(self, request: Request) -> Response:
-        req = decode_body(await request.body(), ChatCompletionRequest)
+        req = decode_body(await _body(request), ChatCompletionRequest)
         self._check_model(req.model)
         params = req.params()
         conversation = req.conversation()
@@ -166,7 +166,7 @@ class OpenAIServer:
         return Response(await self._metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, request: Request) -> Response:
-        req = decode_body(await request.body(), TokenizeRequest)
+        req = decode_body(await _body(request), TokenizeRequest)
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give either prompt or messages", param="prompt")
@@ -181,7 +181,7 @@ class OpenAIServer:
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": self.engine.info.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
-        req = decode_body(await request.body(), DetokenizeRequest)
+        req = decode_body(await _body(request), DetokenizeRequest)
         self._check_model(req.model)
         vocab = self.engine.info.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -429,6 +429,24 @@ async def _off_loop(size: int, fn, *args, **kwargs):
     if size > _LONG_PROMPT:
         return await asyncio.to_thread(fn, *args, **kwargs)
     return fn(*args, **kwargs)
+
+
+# The largest request body read (a prompt of a million tokens as ids is about 7 MB of JSON).
+MAX_BODY_BYTES = 32 * 2**20
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body, refused (413) past MAX_BODY_BYTES before more is read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(f"the request body ({declared} bytes) exceeds {MAX_BODY_BYTES} bytes", 413)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(f"the request body exceeds {MAX_BODY_BYTES} bytes", 413)
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _continuous(req) -> bool:
