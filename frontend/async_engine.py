@@ -179,6 +179,11 @@ class AsyncEngine:
         return self.info
 
     @property
+    def frontend_stats(self) -> FrontendStats | None:
+        """This frontend's request-level stats (None without metrics_port or metrics_registry)."""
+        return self._stats
+
+    @property
     def token_text(self):
         """Token id -> that token's text alone (the table logprob entries use)."""
         return self._token_text.of

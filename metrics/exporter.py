@@ -104,6 +104,11 @@ class FrontendCollector:
             for reason, n in sorted(s.success.items()):
                 f.add_metric([s.model_name, s.frontend_id, reason], n)
         yield f
+        f = _counter(names.HTTP_REQUESTS, labels + list(names.HTTP_REQUESTS.extra_labels))
+        for s in snaps:
+            for (route, status), n in sorted(s.http.items()):
+                f.add_metric([s.model_name, s.frontend_id, route, status], n)
+        yield f
 
 
 _frontend_collectors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # registry -> FrontendCollector

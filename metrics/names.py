@@ -98,10 +98,17 @@ REQUEST_SUCCESS = Metric("headrace:request_success_total", "counter", "requests"
                          "Finished requests by finish reason (stop, length, abort).",
                          extra_labels=("finished_reason",))
 
+HTTP_REQUESTS = Metric("headrace:http_requests_total", "counter", "requests",
+                      "HTTP requests an API server of `headrace serve` answered, by route and status code "
+                      "(routes it does not serve count as route \"other\"; 499: the client left first).",
+                      extra_labels=("route", "status"))
+
 FRONTEND_METRICS = (
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_LATENCY, QUEUE_TIME, PREFILL_TIME, DECODE_TIME,
     REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, REQUEST_SUCCESS,
 )
+# Frontend series only the API servers of `headrace serve` record (tests/test_http_api.py checks them).
+SERVE_METRICS = (HTTP_REQUESTS,)
 
-ALL_METRICS = ENGINE_METRICS + FRONTEND_METRICS
+ALL_METRICS = ENGINE_METRICS + FRONTEND_METRICS + SERVE_METRICS
 BY_NAME = {m.name: m for m in ALL_METRICS}

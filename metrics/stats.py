@@ -84,6 +84,7 @@ class FrontendStats:
     generation_tokens: Histogram = field(
         default_factory=lambda: Histogram(names.REQUEST_GENERATION_TOKENS.buckets))
     success: Counter = field(default_factory=Counter)  # finish reason -> requests
+    http: Counter = field(default_factory=Counter)  # (route, status) -> HTTP requests answered
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def snapshot(self) -> FrontendStats:
@@ -96,6 +97,10 @@ class FrontendStats:
             if first_scheduled is not None:
                 self.queue.observe(max(first_scheduled - arrival, 0.0))
                 self.prefill.observe(max(first_token - first_scheduled, 0.0))
+
+    def on_http(self, route: str, status: int) -> None:
+        with self.lock:
+            self.http[route, str(status)] += 1
 
     def on_token_gaps(self, gaps) -> None:
         with self.lock:

@@ -305,7 +305,8 @@ def test_unknown_model_is_404_and_the_server_serves_on(client, model_name):
 
 def test_tokenize_detokenize_models_health(server, tok, model_name, path):
     def post(route, body):
-        req = urllib.request.Request(server.root + route, json.dumps(body).encode(), {"content-type": "application/json"})
+        req = urllib.request.Request(server.root + route, json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 
@@ -349,3 +350,16 @@ def test_many_concurrent_streams_match_transformers(server, model_name, tok, pat
     for (text, lps), ref in zip(asyncio.run(all_()), refs):
         assert text == tok.decode(ref, skip_special_tokens=True)
         assert len(lps) == len(ref) and all(math.isfinite(v) for v in lps)
+
+
+def test_http_requests_are_counted_by_route_and_status(server, client, model_name):
+    def count(route, status):
+        return server.metric("headrace:http_requests_total", route=route, status=status)
+
+    before = {k: count(*k) for k in [("/v1/completions", "200"), ("/v1/completions", "400"), ("other", "404")]}
+    client.completions.create(model=model_name, prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=2, top_p=5.0)
+    assert server.get("/v1/nowhere")[0] == 404
+    for key, value in before.items():
+        assert count(*key) == value + 1, key

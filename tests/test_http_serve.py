@@ -59,7 +59,8 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
     aborted = server.metric("headrace:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/chat/completions", timeout=0.3,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "Tell a long story"}], "n": 2, **LONG})
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "Tell a long story"}], "n": 2,
+                         **LONG})
     wait_for(lambda: server.metric("headrace:request_success_total", finished_reason="abort") == aborted + 1,
              what="the request's abort")
     core_idle(server)

@@ -81,15 +81,32 @@ class OpenAIServer:
             Route("/detokenize", _api(self.detokenize), methods=["POST"]),
         ]
         self._app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+        self._paths = {r.path for r in routes}
+        self._stats = engine.frontend_stats  # where HTTP requests are counted, if anywhere
 
     async def __call__(self, scope, receive, send) -> None:
-        if self._api_key is not None and scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self._api_key.encode()):
-                err = APIError("invalid or missing API key", 401, code="invalid_api_key")
-                await json_response(err.body(), 401)(scope, receive, send)
-                return
-        await self._app(scope, receive, send)
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        status = 500  # if the app fails before answering
+
+        async def answer(msg) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            if self._api_key is not None and scope["path"].startswith("/v1/"):
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, b"Bearer " + self._api_key.encode()):
+                    err = APIError("invalid or missing API key", 401, code="invalid_api_key")
+                    await json_response(err.body(), 401)(scope, receive, answer)
+                    return
+            await self._app(scope, receive, answer)
+        finally:
+            if self._stats is not None:
+                self._stats.on_http(scope["path"] if scope["path"] in self._paths else "other", status)
 
     # ---- endpoints ----
 
@@ -371,7 +388,8 @@ class EventStream:
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]})
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache")]})
         pump = asyncio.create_task(self._pump(send))
         gone = asyncio.create_task(_disconnected(receive))
         try:

@@ -194,7 +194,8 @@ class ChatCompletionRequest(_Generation, kw_only=True, forbid_unknown_fields=Tru
             if isinstance(content, list):
                 parts = []
                 for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    text = part.get("text") if isinstance(part, dict) else None
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(text, str):
                         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                         raise APIError(f"messages[{i}]: content part {kind!r} is not supported (only text)",
                                        param="messages")
