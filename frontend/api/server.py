@@ -94,6 +94,8 @@ def serve(args: argparse.Namespace, engine_args) -> int:
     api: list[subprocess.Popen] = []
     code = 1
     try:
+        print(f"headrace serve: loading {engine_args.model} in {args.data_parallel_size} engine core"
+              f"{'s' if args.data_parallel_size > 1 else ''}...", file=sys.stderr, flush=True)
         cores = [CoreProcess.spawn(core_args(engine_args, i), metrics_port=0) for i in range(args.data_parallel_size)]
         core_flags = []
         for core in cores:
