@@ -4,7 +4,6 @@ from headrace.core.outputs import CompletionOutput, Logprob, RequestMetrics, Req
 from headrace.core.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.async_engine import AsyncEngine
 from headrace.frontend.client import EngineDeadError
-from headrace.frontend.llm import LLM
 
 __all__ = [
     "LLM",
@@ -19,3 +18,13 @@ __all__ = [
     "EngineArgs",
     "ConfigError",
 ]
+
+
+def __getattr__(name: str):
+    # LLM runs an engine in this process and imports torch with it; a process
+    # that only streams from cores (an API server, an application) never does.
+    if name == "LLM":
+        from headrace.frontend.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'headrace' has no attribute {name!r}")

@@ -9,7 +9,6 @@ import sys
 import tempfile
 
 from headrace.core.config import EngineArgs, ModelConfig
-from headrace.executor.models.loader import resolve_model_path
 
 
 def private_ipc_address() -> tuple[str, str]:
@@ -55,6 +54,8 @@ class CoreProcess:
 
     @classmethod
     def spawn(cls, args: EngineArgs, address: str | None = None, metrics_port: int | None = None) -> CoreProcess:
+        from headrace.executor.models.loader import resolve_model_path  # (imports torch)
+
         # Refuse a bad model here, with the loader's own message, rather than
         # as a dead child process.
         ModelConfig.from_dir(resolve_model_path(args.model))
