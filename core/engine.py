@@ -12,10 +12,10 @@ from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
 from headrace.core.sampling_params import SamplingParams, check_token_ids
 from headrace.core.request import Request, check_prompt
 from headrace.core.scheduler import Scheduler
+from headrace.core.tp import TPExecutor
 from headrace.executor.model_runner import ModelRunner
 from headrace.executor.models.loader import resolve_model_path
 from headrace.executor.parallel import check_shardable
-from headrace.executor.workers import TPExecutor
 from headrace.metrics.stats import EngineStats
 
 

@@ -73,7 +73,7 @@ def test_shapes_the_ranks_cannot_split_are_refused(checkpoint):
 
 
 def _workers_of(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "-P", str(pid), "headrace.executor.workers"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", "-P", str(pid), "headrace.core.tp"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
