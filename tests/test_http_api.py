@@ -130,11 +130,15 @@ def test_completion_logprobs_with_echo_match_transformers(client, model_name, to
     assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == lp.text_offset
 
 
-def test_chat_matches_transformers_with_top_logprobs(client, model_name, tok, path, hf_model):
-    model = hf_model(path)
+def chat_reference(tok, model, n: int):
+    """transformers on CHAT: (prompt ids, n greedy tokens, log_softmax of every position)."""
     ids = chat_ids(tok, CHAT)
-    gen = hf_greedy(model, ids, 10)
-    ref = hf_logprobs(model, ids + gen)
+    gen = hf_greedy(model, ids, n)
+    return ids, gen, hf_logprobs(model, ids + gen)
+
+
+def test_chat_matches_transformers_with_top_logprobs(client, model_name, tok, path, hf_model):
+    ids, gen, ref = chat_reference(tok, hf_model(path), 10)
     r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=10, temperature=0, logprobs=True,
                                        top_logprobs=3)
     c = r.choices[0]
@@ -188,10 +192,7 @@ def test_n_samples_are_seeded_and_indexed(client, model_name):
 
 
 def test_extra_body_fields_reach_the_engine(client, model_name, tok, path, hf_model):
-    model = hf_model(path)
-    ids = chat_ids(tok, CHAT)
-    gen = hf_greedy(model, ids, 8)
-    ref = hf_logprobs(model, ids + gen)
+    ids, gen, ref = chat_reference(tok, hf_model(path), 8)
     # top_k=1 samples greedily at any temperature; logprob_token_ids scores chosen ids at each position
     r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8, temperature=1.5, logprobs=True,
                                        extra_body={"top_k": 1, "logprob_token_ids": [5, 9]})
