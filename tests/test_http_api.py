@@ -214,11 +214,11 @@ def test_extra_body_fields_reach_the_engine(client, model_name, tok, path, hf_mo
     assert r.usage.completion_tokens == 12
     full = r.choices[0].text
     stop = full[4:7]
-    if stop.strip():
-        r = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop],
-                                      extra_body={"ignore_eos": True})
-        assert r.choices[0].text == full[: full.index(stop)]
-        assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
+    assert stop.strip(), full  # greedy: the same text every run
+    r = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
 
 
 def test_sampling_fields_match_the_offline_engine(client, model_name, path):
@@ -364,3 +364,29 @@ def test_http_requests_are_counted_by_route_and_status(server, client, model_nam
     assert server.get("/v1/nowhere")[0] == 404
     for key, value in before.items():
         assert count(*key) == value + 1, key
+
+
+def test_chat_streams_n_choices_and_stops_on_strings(client, model_name):
+    kw = dict(model=model_name, messages=CHAT, max_tokens=12, temperature=1.0, seed=3, n=2,
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    content, roles, finish = {0: "", 1: ""}, {}, {}
+    for ch in client.chat.completions.create(**kw, stream=True):
+        for c in ch.choices:
+            if c.delta.role:
+                roles[c.index] = c.delta.role
+            content[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert roles == {0: "assistant", 1: "assistant"} and finish == {0: "length", 1: "length"}
+    assert [content[i] for i in range(2)] == [c.message.content for c in whole.choices]
+    # a stop string found mid-stream ends that choice there, in the stream as in the whole response
+    text = whole.choices[0].message.content
+    stop = text[3:6]
+    assert stop.strip(), text  # seeded: the same text every run
+    kw["stop"] = [stop]
+    cut = client.chat.completions.create(**kw)
+    streamed = "".join(c.delta.content or "" for ch in client.chat.completions.create(**kw, stream=True)
+                       for c in ch.choices if c.index == 0)
+    assert cut.choices[0].message.content == streamed == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
