@@ -26,7 +26,7 @@ from headrace.core.request import check_prompt
 from headrace.core.sampling_params import SamplingParams
 from headrace.frontend.api import responses as R
 from headrace.frontend.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                            TokenizeRequest, decode_body)
+                                            TokenizeRequest, decode_body, named_param)
 from headrace.frontend.async_engine import AsyncEngine
 from headrace.frontend.client import EngineDeadError
 from headrace.frontend.output_processor import RequestState
@@ -122,21 +122,10 @@ class OpenAIServer:
         if req.stream:
             return EventStream(self._completion_events(req, env, prompts, states))
         outs = await _until_done_or_gone(request, self._finals(states))
-        choices, num_generated = [], 0
-        for i, (p, out) in enumerate(zip(prompts, outs)):
-            for c in out.outputs:
-                num_generated += len(c.token_ids)
-                text = self._prompt_text(p) + c.text if req.echo else c.text
-                lp = None
-                if req.wants_logprobs:
-                    lp = R.LegacyLogprobs()
-                    lp = _join(lp.chunk(p.ids, out.prompt_logprobs, self.engine.token_text) if req.echo else None,
-                               lp.chunk(c.token_ids, c.logprobs, self.engine.token_text))
-                choice = {"index": i * params.n + c.index, "text": text, "logprobs": lp,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if req.prompt_logprobs is not None:  # asked for, not only implied by echo
-                    choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
-                choices.append(choice)
+        choices = [self._completion_choice(req, p, out, c, i * params.n + c.index, first=True,
+                                           logprobs=R.LegacyLogprobs() if req.wants_logprobs else None)
+                   for i, (p, out) in enumerate(zip(prompts, outs)) for c in out.outputs]
+        num_generated = sum(len(c.token_ids) for out in outs for c in out.outputs)
         num_prompt = sum(len(p.ids) for p in prompts)
         return json_response(env.body("text_completion", choices, usage=R.usage(num_prompt, num_generated)))
 
@@ -311,35 +300,41 @@ class OpenAIServer:
     def _prompt_text(self, p: _Prompt) -> str:
         return p.text if p.text is not None else self.engine.tokenizer.decode(p.ids)
 
+    def _completion_choice(self, req: CompletionRequest, prompt: _Prompt, out, c, index: int, first: bool,
+                           logprobs: R.LegacyLogprobs | None) -> dict:
+        """A completion choice: a whole one, or what one stream chunk adds to it.
+        The first (for a whole response, the only) part carries the echoed
+        prompt, its logprobs, and the prompt_logprobs asked for."""
+        text, lp = c.text, None
+        echo = first and req.echo
+        if echo:
+            text = self._prompt_text(prompt) + text
+        if logprobs is not None:  # the prompt's first, for the text offsets to run on
+            text_of = self.engine.token_text
+            echoed = logprobs.chunk(prompt.ids, out.prompt_logprobs, text_of) if echo else None
+            lp = _join(echoed, logprobs.chunk(c.token_ids, c.logprobs, text_of))
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if first and req.prompt_logprobs is not None:  # asked for, not only implied by echo
+            choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
+        return choice
+
     async def _completion_events(self, req: CompletionRequest, env: R.Envelope, prompts: list[_Prompt],
                                  states: list[RequestState]) -> AsyncIterator[bytes]:
         n = states[0].params.n
         num_prompt = sum(len(p.ids) for p in prompts)
         num_generated = 0
-        logprobs: dict[int, R.LegacyLogprobs] = {}  # choice index -> its running text offset
-        started: set[int] = set()
-        text_of = self.engine.token_text
+        logprobs: dict[int, R.LegacyLogprobs | None] = {}  # choice index -> its logprobs' running text offset
         async for i, out in self._merged(states):
             events = []
             for c in out.outputs:
                 index = i * n + c.index
                 num_generated += len(c.token_ids)
-                text, lp, prompt_lp = c.text, None, None
-                first = index not in started
+                first = index not in logprobs
                 if first:
-                    started.add(index)
-                    if req.echo:
-                        text = self._prompt_text(prompts[i]) + text
-                if req.wants_logprobs:
-                    lps = logprobs.setdefault(index, R.LegacyLogprobs())
-                    prompt_lp = lps.chunk(prompts[i].ids, out.prompt_logprobs, text_of) if first and req.echo \
-                        else None
-                    lp = _join(prompt_lp, lps.chunk(c.token_ids, c.logprobs, text_of))
-                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                          "stop_reason": c.stop_reason}
-                if first and out.prompt_logprobs is not None and req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
-                extra = {"usage": R.usage(num_prompt, num_generated)} if _continuous(req) else {}
+                    logprobs[index] = R.LegacyLogprobs() if req.wants_logprobs else None
+                choice = self._completion_choice(req, prompts[i], out, c, index, first, logprobs[index])
+                extra = {"usage": R.usage(num_prompt, num_generated)} if req.continuous_usage else {}
                 events.append(_event(env.body("text_completion", [choice], **extra)))
             if events:
                 yield b"".join(events)
@@ -363,7 +358,7 @@ class OpenAIServer:
                           "finish_reason": c.finish_reason}
                 if c.finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
-                extra = {"usage": R.usage(len(prompt.ids), num_generated)} if _continuous(req) else {}
+                extra = {"usage": R.usage(len(prompt.ids), num_generated)} if req.continuous_usage else {}
                 events.append(_event(env.body("chat.completion.chunk", [choice], **extra)))
             if events:
                 yield b"".join(events)
@@ -467,10 +462,6 @@ async def _body(request: Request) -> bytes:
     return b"".join(parts)
 
 
-def _continuous(req) -> bool:
-    return req.stream_options is not None and req.stream_options.continuous_usage_stats
-
-
 def _join(a: dict | None, b: dict) -> dict:
     if a is None:
         return b
@@ -483,13 +474,9 @@ def _error(e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(f"the engine core is dead: {e}", 503, type_="ServiceUnavailableError")
     if isinstance(e, (ValueError, TypeError)):  # refused by the engine or the core: the message names the field
-        word = str(e).split(" ", 1)[0]
-        return APIError(str(e), param=word if word in _PARAMS else None)
+        return APIError(str(e), param=named_param(str(e)))
     logger.exception("internal error", exc_info=e)
     return APIError(f"internal error: {type(e).__name__}", 500, type_="InternalServerError")
-
-
-_PARAMS = set(ChatCompletionRequest.__struct_fields__) | set(CompletionRequest.__struct_fields__)
 
 
 def _api(handler):

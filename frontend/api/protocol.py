@@ -95,12 +95,18 @@ class _Generation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         try:
             return SamplingParams(**fields)
         except ValueError as e:
-            raise APIError(str(e), param=_param_of(str(e), fields)) from None
+            raise APIError(str(e), param=named_param(str(e))) from None
 
     @property
     def include_usage(self) -> bool:
+        """A last chunk with the usage (continuous_usage_stats implies it)."""
         return self.stream_options is not None and (self.stream_options.include_usage
                                                     or self.stream_options.continuous_usage_stats)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """The usage so far in every chunk."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Generation, kw_only=True, forbid_unknown_fields=True):
@@ -251,7 +257,11 @@ def _or(value, default):
     return default if value is None else value
 
 
-def _param_of(message: str, fields: dict) -> str | None:
-    """The parameter a SamplingParams error names (its first word), if it is one."""
+_PARAMS = set(CompletionRequest.__struct_fields__) | set(ChatCompletionRequest.__struct_fields__)
+
+
+def named_param(message: str) -> str | None:
+    """The request parameter an error message names: its first word, when it
+    is one (SamplingParams and the engine's checks start with the field)."""
     word = message.split(" ", 1)[0]
-    return word if word in fields else None
+    return word if word in _PARAMS else None
