@@ -107,6 +107,16 @@ def test_a_second_server_on_the_port_is_refused(server, checkpoint):
     assert r.returncode == 2 and "cannot listen" in r.stderr and "in use" in r.stderr
 
 
+@pytest.mark.parametrize("flags,message", [(["--port", "70000"], "--port must be in [0, 65535]"),
+                                           (["--port", "0", "--api-servers", "0"], "--api-servers must be >= 1"),
+                                           (["--port", "0", "--data-parallel-size", "0"],
+                                            "--data-parallel-size must be >= 1")])
+def test_bad_serve_flags_are_refused(checkpoint, flags, message):
+    r = subprocess.run([sys.executable, "-m", "headrace.frontend.cli", "serve", "--model", str(checkpoint("qwen3")),
+                        *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr
+
+
 def test_api_key_is_required_on_v1(checkpoint):
     s = Serve(checkpoint("qwen3"), env={"HEADRACE_API_KEY": "sekret"})
     try:

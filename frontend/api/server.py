@@ -57,6 +57,8 @@ def reserve_port(host: str, port: int) -> socket.socket:
     port for the API servers. The port is first bound without SO_REUSEPORT,
     so a port another server holds, headrace's included, is refused instead
     of shared with it."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
