@@ -98,7 +98,8 @@ def serve(args: argparse.Namespace, engine_args) -> int:
     try:
         print(f"headrace serve: loading {engine_args.model} in {args.data_parallel_size} engine core"
               f"{'s' if args.data_parallel_size > 1 else ''}...", file=sys.stderr, flush=True)
-        cores = [CoreProcess.spawn(core_args(engine_args, i), metrics_port=0) for i in range(args.data_parallel_size)]
+        for i in range(args.data_parallel_size):  # appended one by one: a failing spawn leaves the others stoppable
+            cores.append(CoreProcess.spawn(core_args(engine_args, i), metrics_port=0))
         core_flags = []
         for core in cores:
             core_flags += ["--core", core.address, "--core-metrics-url", core.metrics_url()]  # waits for the model
