@@ -1,30 +1,33 @@
 """headrace: an LLM inference and serving engine that one person can read and change."""
-from headrace.core.config import ConfigError, EngineArgs
-from headrace.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from headrace.core.sampling_params import RequestOutputKind, SamplingParams
-from headrace.frontend.async_engine import AsyncEngine
-from headrace.frontend.client import EngineDeadError
+import importlib
 
-__all__ = [
-    "LLM",
-    "AsyncEngine",
-    "EngineDeadError",
-    "RequestOutputKind",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "Logprob",
-    "RequestMetrics",
-    "EngineArgs",
-    "ConfigError",
-]
+# name -> the module that defines it. Imported on first use: importing any
+# part of headrace runs this file first, and a process that only streams from
+# cores (an API server, an application) must not load what it never uses.
+_EXPORTS = {
+    "LLM": "headrace.frontend.llm",
+    "AsyncEngine": "headrace.frontend.async_engine",
+    "EngineDeadError": "headrace.frontend.client",
+    "RequestOutputKind": "headrace.sampling_params",
+    "SamplingParams": "headrace.sampling_params",
+    "RequestOutput": "headrace.core.outputs",
+    "CompletionOutput": "headrace.core.outputs",
+    "Logprob": "headrace.core.outputs",
+    "RequestMetrics": "headrace.core.outputs",
+    "EngineArgs": "headrace.config",
+    "ConfigError": "headrace.checkpoint",
+}
+
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    # LLM runs an engine in this process and imports torch with it; a process
-    # that only streams from cores (an API server, an application) never does.
-    if name == "LLM":
-        from headrace.frontend.llm import LLM
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'headrace' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
 
-        return LLM
-    raise AttributeError(f"module 'headrace' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

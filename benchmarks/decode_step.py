@@ -67,9 +67,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks_common import StepFloor, StepTimeline, measure_ceilings, qwen3_06b_checkpoint
-    from headrace.core.config import EngineArgs, ModelConfig
+    from headrace.checkpoint.config import ModelConfig
+    from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
-    from headrace.core.sampling_params import SamplingParams
+    from headrace.sampling_params import SamplingParams
 
     model = args.model or str(qwen3_06b_checkpoint())
     cfg = ModelConfig.from_dir(model)

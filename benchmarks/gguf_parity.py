@@ -38,14 +38,13 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a .gguf file (default: the SmolLM2 demo model)")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from headrace import LLM, SamplingParams, envs
-    from headrace.executor.models.gguf import load_tokenizer
-    from headrace.testing.smollm2 import smollm2_gguf
+    from headrace import LLM, SamplingParams
+    from headrace.checkpoint.smollm2 import smollm2_gguf
 
     path = os.path.abspath(args.model or smollm2_gguf(progress=True))
-    tokenizer = load_tokenizer(path, envs.cache_dir())
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
                for q in QUESTIONS]
     ref_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

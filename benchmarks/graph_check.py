@@ -11,10 +11,10 @@ import time
 import torch
 
 from benchmarks_common import qwen3_06b_checkpoint
-from headrace.core.config import EngineArgs
+from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
 from headrace.core.protocol import unpack_floats
-from headrace.core.sampling_params import SamplingParams
+from headrace.sampling_params import SamplingParams
 
 
 def run(enforce_eager: bool, batch: int, context: int):

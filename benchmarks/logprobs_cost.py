@@ -39,9 +39,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from headrace.core.config import EngineArgs
+    from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
-    from headrace.core.sampling_params import SamplingParams
+    from headrace.sampling_params import SamplingParams
 
     if args.qwen:
         from benchmarks_common import qwen3_06b_checkpoint

@@ -32,7 +32,7 @@ from benchmarks_common import ScheduleRecorder, StepFloor, measure_ceilings, qwe
 from throughput import run_ours
 
 from headrace import AsyncEngine, RequestOutputKind, SamplingParams
-from headrace.core.config import EngineArgs
+from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
 
 CONFIGS = ("tp1", "tp2", "dp2")

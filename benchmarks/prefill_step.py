@@ -43,9 +43,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks_common import StepFloor, measure_ceilings, qwen3_06b_checkpoint
-    from headrace.core.config import EngineArgs
+    from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
-    from headrace.core.sampling_params import SamplingParams
+    from headrace.sampling_params import SamplingParams
 
     model = args.model or str(qwen3_06b_checkpoint())
     bw, rate = measure_ceilings(torch.device("cuda")) if args.device == "cuda" else (float("inf"), float("inf"))

@@ -120,7 +120,7 @@ def step_all(core, prompts, max_tokens) -> tuple[float, int]:
 def in_process(args, prompts, max_tokens) -> dict:
     import torch
 
-    from headrace.core.config import EngineArgs
+    from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
 
     cuda = args.device.startswith("cuda")
@@ -312,7 +312,7 @@ def api_server(args):
     """`headrace serve` on a free loopback port with the engine args of burst;
     yields its base URL once it serves, and stops it on leaving (SIGTERM,
     then SIGKILL; its core and API servers die with it)."""
-    from headrace.core.config import EngineArgs
+    from headrace.config import EngineArgs
     from headrace.frontend.core_process import engine_args_to_cli
 
     cmd = [sys.executable, "-m", "headrace.frontend.cli", "serve", "--port", "0", "--api-servers",
@@ -529,7 +529,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind as on Ctrl-C, stopping what was started
     import torch
 
-    from headrace.core.config import ModelConfig
+    from headrace.checkpoint.config import ModelConfig
     from headrace.testing import demo_checkpoint
 
     if args.device == "auto":

@@ -30,9 +30,9 @@ def workload(n: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[in
 
 
 def in_process(args, prompts) -> tuple[float, int, float]:
-    from headrace.core.config import EngineArgs
+    from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
-    from headrace.core.sampling_params import SamplingParams
+    from headrace.sampling_params import SamplingParams
 
     core = EngineCore(EngineArgs(model=args.model, device=args.device, max_num_seqs=args.num_requests))
     sp = SamplingParams(temperature=0.6, max_tokens=args.max_tokens, ignore_eos=True)
@@ -111,7 +111,7 @@ def main() -> None:
         from headrace.testing import demo_checkpoint
 
         args.model = str(demo_checkpoint())
-    from headrace.core.config import ModelConfig
+    from headrace.checkpoint.config import ModelConfig
 
     vocab = ModelConfig.from_dir(args.model).vocab_size
     prompts = workload(args.num_requests, args.prompt_len, vocab)

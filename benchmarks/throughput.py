@@ -27,9 +27,9 @@ import torch
 
 from benchmarks_common import (ScheduleRecorder, StepFloor, StepTimeline, gpu_busy, measure_ceilings,
                                qwen3_06b_checkpoint, workload)
-from headrace.core.config import EngineArgs
+from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
-from headrace.core.sampling_params import SamplingParams
+from headrace.sampling_params import SamplingParams
 
 
 def run_ours(core: EngineCore, prompts, max_tokens, windows=()):

@@ -1,26 +1,33 @@
 """The engine core: admit and abort, schedule, execute, report."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
 
 import numpy as np
 
-from headrace.core.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig
+from headrace.checkpoint.config import ModelConfig
+from headrace.config import CacheConfig, EngineArgs, SchedulerConfig
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
-from headrace.core.sampling_params import SamplingParams, check_token_ids
+from headrace.sampling_params import SamplingParams, check_token_ids
 from headrace.core.request import Request, check_prompt
 from headrace.core.scheduler import Scheduler
 from headrace.core.tp import TPExecutor
-from headrace.executor.model_runner import ModelRunner
-from headrace.executor.models.loader import resolve_model_path
+from headrace.executor.model_runner import ModelRunner, resolve_device
+from headrace.checkpoint.paths import resolve_model_path
 from headrace.executor.parallel import check_shardable
 from headrace.metrics.stats import EngineStats
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs) -> None:
+    """data_parallel_rank: this core's place among data-parallel cores; on
+    GPUs it takes the tensor_parallel_size GPUs from data_parallel_rank *
+    tensor_parallel_size on, counted from the GPU args.device names."""
+
+    def __init__(self, args: EngineArgs, data_parallel_rank: int = 0) -> None:
+        args = _place(args, data_parallel_rank)
         self.model_config = ModelConfig.from_dir(resolve_model_path(args.model))
         max_model_len = args.resolve_max_model_len(self.model_config)
         self.sched_config = SchedulerConfig(
@@ -245,3 +252,16 @@ class EngineCore:
 def _child_seed(seed: int, index: int) -> int:
     """Distinct, reproducible seeds for the samples of one request."""
     return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
+
+
+def _place(args: EngineArgs, data_parallel_rank: int) -> EngineArgs:
+    """The arguments of data-parallel core data_parallel_rank (the same on the CPU)."""
+    if not isinstance(data_parallel_rank, int) or isinstance(data_parallel_rank, bool) or data_parallel_rank < 0:
+        raise ValueError(f"data_parallel_rank must be a non-negative integer, got {data_parallel_rank!r}")
+    if data_parallel_rank == 0:
+        return args
+    device = resolve_device(args.device)
+    if device.type != "cuda":
+        return args
+    first = (device.index or 0) + data_parallel_rank * args.tensor_parallel_size
+    return dataclasses.replace(args, device=f"cuda:{first}")

@@ -13,9 +13,9 @@ import struct
 import msgspec
 import numpy as np
 
-from headrace.core.sampling_params import SamplingParams
+from headrace.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 _INT32 = struct.Struct("<i")
@@ -94,7 +94,7 @@ class Ready(_Msg, tag="ready"):
     protocol: int
     engine_id: str
     model: str
-    tokenizer: str
+    tokenizer: str  # the directory of the prepared tokenizer (checkpoint/tokenizer.py)
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
-from headrace.core.sampling_params import SamplingParams
+from headrace.sampling_params import SamplingParams
 
 
 def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int, name: str = "the prompt") -> None:

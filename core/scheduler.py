@@ -21,49 +21,21 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from headrace.core.config import CacheConfig, SchedulerConfig
+from headrace.config import CacheConfig, SchedulerConfig
 from headrace.core.kv_cache import KVCacheManager
 from headrace.core.request import Request, RequestStatus
-from headrace.core.sampling_params import SamplingParams
+from headrace.sampling_params import SamplingParams
+from headrace.step import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass
-class NewRequestData:
-    """A request entering the executor: it takes a slot and stages these."""
+class ScheduledStep(SchedulerOutput):
+    """One step as the scheduler keeps it: what the executor runs, and, for
+    update(), each batch row's request and whether it samples."""
 
-    req_id: str
-    token_ids: list[int]  # every known token: prompt, plus outputs if it was preempted
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    seed: int
-
-
-@dataclass
-class CachedRequestData:
-    """A request already in a slot: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens; batch order
     reqs: list[Request] = field(default_factory=list)  # batch row -> request
     samples: list[bool] = field(default_factory=list)  # batch row -> whether it samples a token
-    # Requests that left the executor since the last step (finished, aborted,
-    # preempted): their slots are freed before new requests take slots.
-    finished_req_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
 
 
 @dataclass
@@ -102,8 +74,8 @@ class Scheduler:
         if req.sampling_params.bad_words_token_ids:
             self.host_token_ids.add(req.request_id)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> ScheduledStep:
+        out = ScheduledStep()
         budget = self.config.max_num_batched_tokens
         preempted = False
         i = 0
@@ -161,7 +133,7 @@ class Scheduler:
         out.finished_req_ids = self.take_left()
         return out
 
-    def _scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _scheduled(self, out: ScheduledStep, req: Request, n: int) -> None:
         """Count n tokens of req as computed by this step, and its sample as pending."""
         # Blocks that earlier steps compute are shared from now on; this
         # step's own blocks only from the next schedule, so a prefix hit never
@@ -209,7 +181,7 @@ class Scheduler:
         self.waiting.appendleft(req)
         self._left.add(req.request_id)
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[RequestUpdate]:
+    def update(self, out: ScheduledStep, sampled_token_ids: list[int]) -> list[RequestUpdate]:
         """Take one step's sampled tokens: sampled_token_ids[row] for batch
         row `row`; rows that did not sample (prefill chunks) are ignored.
 

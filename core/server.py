@@ -25,7 +25,9 @@ import uuid
 import zmq
 
 from headrace import envs
-from headrace.core.config import EngineArgs
+from headrace.checkpoint.paths import resolve_model_path
+from headrace.checkpoint.tokenizer import prepare_tokenizer
+from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
 from headrace.core.protocol import (
     PROTOCOL_VERSION,
@@ -76,12 +78,18 @@ def bind_router(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str]:
 
 class CoreServer:
     """metrics_port: serve the core's Prometheus series on metrics_host:port
-    (0 = a free port; the bound one is self.metrics_port afterwards)."""
+    (0 = a free port; the bound one is self.metrics_port afterwards).
+    data_parallel_rank: see EngineCore.
+
+    The tokenizer is prepared here, once per checkpoint on this machine
+    (checkpoint/tokenizer.py), and frontends load the prepared files named
+    in Ready without importing torch."""
 
     def __init__(self, args: EngineArgs, address: str, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1") -> None:
-        self.engine = EngineCore(args)
+                 metrics_host: str = "127.0.0.1", data_parallel_rank: int = 0) -> None:
+        self.engine = EngineCore(args, data_parallel_rank)
         try:  # what fails from here on must not leave the engine's memory or workers behind
+            tokenizer = prepare_tokenizer(resolve_model_path(args.tokenizer or args.model), envs.cache_dir())
             self.engine_id = uuid.uuid4().hex[:12]
             self.model_name = self.engine.model_config.path
             self.metrics_server = None
@@ -104,7 +112,7 @@ class CoreServer:
                 protocol=PROTOCOL_VERSION,
                 engine_id=self.engine_id,
                 model=mc.path,
-                tokenizer=args.tokenizer or mc.path,
+                tokenizer=str(tokenizer),
                 max_model_len=self.engine.sched_config.max_model_len,
                 vocab_size=mc.vocab_size,
                 eos_token_ids=sorted(mc.eos_token_ids),

@@ -27,8 +27,9 @@ import traceback
 import msgspec
 import zmq
 
-from headrace.core.config import EngineArgs, ModelConfig, SchedulerConfig
-from headrace.core.scheduler import SchedulerOutput
+from headrace.checkpoint.config import ModelConfig
+from headrace.config import EngineArgs, SchedulerConfig
+from headrace.step import SchedulerOutput
 from headrace.executor.workers import (Close, Collect, Execute, FromWorker, Init, Ready, Remove, StepResult, ToWorker,
                                        Worker, WorkerError, _Msg, unpack_result)
 

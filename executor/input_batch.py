@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from headrace.executor.attention import AttentionMetadata
-from headrace.executor.states import RequestStates, upload
+from headrace.executor.staged import upload
+from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
 
 

@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from headrace.core.config import ConfigError, EngineArgs
-from headrace.core.sampling_params import SamplingParams
+from headrace.checkpoint import ConfigError
+from headrace.config import EngineArgs
+from headrace.sampling_params import SamplingParams
 
 
 class LogitsProcessor:

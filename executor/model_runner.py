@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 from headrace import envs
-from headrace.core.config import ConfigError, EngineArgs, ModelConfig, SchedulerConfig
-from headrace.core.scheduler import SchedulerOutput
+from headrace.checkpoint import ConfigError
+from headrace.checkpoint.config import ModelConfig
+from headrace.config import EngineArgs, SchedulerConfig
+from headrace.step import SchedulerOutput
 from headrace.executor.attention import AttentionMetadata
 from headrace.executor.cuda_graphs import StepGraphs, clear_cublas_workspaces
 from headrace.executor.input_batch import prepare_inputs
@@ -64,7 +66,10 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={name!r} but CUDA is not available")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device={name!r} but this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:

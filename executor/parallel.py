@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from headrace.core.config import ConfigError, ModelConfig
+from headrace.checkpoint import ConfigError
+from headrace.checkpoint.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ import torch
 
 from headrace.executor.input_batch import InputBatch
 from headrace.executor.sampling_state import SamplingState
-from headrace.executor.states import RequestStates, upload
+from headrace.executor.staged import upload
+from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
 from headrace.kernels.logprobs import ACT_LOG_SOFTMAX
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from headrace.core.sampling_params import (
+from headrace.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROB_TOKEN_IDS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
-from headrace.executor.states import StagedTensor
+from headrace.executor.staged import StagedTensor
 from headrace.kernels.logprobs import ACT_LOG_SOFTMAX, ACT_SIGMOID
 
 _U64 = (1 << 64) - 1

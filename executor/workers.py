@@ -14,8 +14,9 @@ from collections import deque
 import msgspec
 import numpy as np
 
-from headrace.core.config import EngineArgs, ModelConfig, SchedulerConfig
-from headrace.core.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+from headrace.checkpoint.config import ModelConfig
+from headrace.config import EngineArgs, SchedulerConfig
+from headrace.step import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class _Msg(msgspec.Struct, tag_field="t", kw_only=True):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -11,15 +10,13 @@ from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 from prometheus_client import CollectorRegistry
-from transformers import AutoTokenizer
 
-from headrace import envs
-from headrace.core.config import EngineArgs
+from headrace.config import EngineArgs
 from headrace.core.outputs import RequestOutput
 from headrace.core.protocol import Ready, RequestError, Stats, StepOutputs
 from headrace.core.request import check_prompt
-from headrace.core.sampling_params import SamplingParams, check_token_ids
-from headrace.executor.models import gguf
+from headrace.sampling_params import SamplingParams, check_token_ids
+from headrace.checkpoint.tokenizer import load_tokenizer
 from headrace.frontend.client import EngineClient, EngineDeadError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
@@ -45,14 +42,6 @@ def run(main) -> object:
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
-
-
-def load_tokenizer(name: str):
-    """A checkpoint's tokenizer: transformers' for a directory or hub id;
-    for a .gguf file, converted from its metadata once and cached."""
-    if gguf.is_gguf(name):
-        return gguf.load_tokenizer(name, envs.cache_dir())
-    return AutoTokenizer.from_pretrained(name)
 
 
 class AsyncEngine:
@@ -126,7 +115,7 @@ class AsyncEngine:
         processes = []
         try:
             for i in range(data_parallel_size):
-                processes.append(CoreProcess.spawn(core_args(args, i), metrics_port=core_metrics_port))
+                processes.append(CoreProcess.spawn(args, metrics_port=core_metrics_port, data_parallel_rank=i))
             return cls([p.address for p in processes], processes, metrics_port=metrics_port,
                        metrics_registry=metrics_registry)
         except BaseException:
@@ -428,17 +417,3 @@ _CHUNK = 64
 
 def _serves(info: Ready) -> tuple:
     return info.model, info.vocab_size, info.max_model_len
-
-
-def core_args(args: EngineArgs, index: int) -> EngineArgs:
-    """The arguments of data-parallel core `index`: on a GPU machine its
-    ranks take the tensor_parallel_size GPUs from index * tensor_parallel_size."""
-    if index == 0:
-        return args
-    from headrace.executor.model_runner import resolve_device
-
-    device = resolve_device(args.device)
-    if device.type != "cuda":
-        return args
-    first = (device.index or 0) + index * args.tensor_parallel_size
-    return dataclasses.replace(args, device=f"cuda:{first}")

@@ -7,6 +7,7 @@ import signal
 import sys
 
 from headrace import envs
+from headrace.config import EngineArgs
 from headrace.lifetime import die_with_parent
 
 DEMO_PROMPTS = [
@@ -18,11 +19,12 @@ DEMO_PROMPTS = [
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from headrace import LLM, SamplingParams
+    from headrace.frontend.llm import LLM
+    from headrace.sampling_params import SamplingParams
 
     model, chat = args.model, args.chat
     if model is None:  # the built-in demo: a small real chat model
-        from headrace.testing.smollm2 import FetchError, smollm2_gguf
+        from headrace.checkpoint.smollm2 import FetchError, smollm2_gguf
 
         try:
             model = str(smollm2_gguf(progress=True))
@@ -49,8 +51,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineArgs field (--max-num-seqs, --no-enable-prefix-caching, ...)."""
-    from headrace.core.config import EngineArgs
-
     for field in dataclasses.fields(EngineArgs):
         flag = "--" + field.name.replace("_", "-")
         if field.name == "model":
@@ -67,7 +67,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _core(args: argparse.Namespace) -> int:
     import logging
 
-    from headrace.core.config import EngineArgs
     from headrace.core.server import CoreServer
 
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -75,7 +74,8 @@ def _core(args: argparse.Namespace) -> int:
         die_with_parent(args.parent_pid)
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     engine_args = EngineArgs(**{k: v for k, v in vars(args).items() if k in fields})
-    server = CoreServer(engine_args, args.address, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+    server = CoreServer(engine_args, args.address, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                        data_parallel_rank=args.data_parallel_rank)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     # The first line names the address; tools read it (and the second, with metrics).
@@ -89,7 +89,6 @@ def _core(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from headrace.core.config import EngineArgs
     from headrace.frontend.api.server import serve
 
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -121,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     core.add_argument("--metrics-port", type=int, default=None,
                       help="serve Prometheus metrics on this port (0: a free port, printed on start)")
     core.add_argument("--metrics-host", default="127.0.0.1", help="address for --metrics-port (default: loopback)")
+    core.add_argument("--data-parallel-rank", type=int, default=0,
+                      help="this core's place among data-parallel cores: on GPUs it takes tensor-parallel-size "
+                           "GPUs from rank * tensor-parallel-size on (counted from --device)")
     core.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     _add_engine_args(core)
     core.set_defaults(func=_core)

@@ -49,7 +49,7 @@ from headrace.core.protocol import (
     from_core_decoder,
     pack_ids,
 )
-from headrace.core.sampling_params import SamplingParams
+from headrace.sampling_params import SamplingParams
 
 logger = logging.getLogger("headrace.frontend")
 _STOP = b""  # on the inproc socket: the loop asks the I/O thread to say Goodbye and end

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import tempfile
 
-from headrace.core.config import EngineArgs, ModelConfig
+from headrace.checkpoint.config import ModelConfig
+from headrace.checkpoint.paths import resolve_model_path
+from headrace.config import EngineArgs
 
 
 def private_ipc_address() -> tuple[str, str]:
@@ -53,11 +55,12 @@ class CoreProcess:
         self._directory = directory
 
     @classmethod
-    def spawn(cls, args: EngineArgs, address: str | None = None, metrics_port: int | None = None) -> CoreProcess:
-        from headrace.executor.models.loader import resolve_model_path  # (imports torch)
-
-        # Refuse a bad model here, with the loader's own message, rather than
-        # as a dead child process.
+    def spawn(cls, args: EngineArgs, address: str | None = None, metrics_port: int | None = None,
+              data_parallel_rank: int = 0) -> CoreProcess:
+        """data_parallel_rank: the core's place among data-parallel cores (on
+        GPUs it takes tensor_parallel_size of them from rank * tensor_parallel_size)."""
+        # Refuse a bad model here, with the checkpoint reader's own message,
+        # rather than as a dead child process.
         ModelConfig.from_dir(resolve_model_path(args.model))
         directory = None
         if address is None:
@@ -66,6 +69,8 @@ class CoreProcess:
                "--parent-pid", str(os.getpid()), *engine_args_to_cli(args)]
         if metrics_port is not None:
             cmd += ["--metrics-port", str(metrics_port)]
+        if data_parallel_rank:
+            cmd += ["--data-parallel-rank", str(data_parallel_rank)]
         # Logs go to stderr; stdout carries the start-up lines (read by metrics_url).
         out = subprocess.PIPE if metrics_port is not None else subprocess.DEVNULL
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, text=True)

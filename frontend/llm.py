@@ -17,10 +17,9 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from tqdm.auto import tqdm
 
-from headrace.core.config import EngineArgs
+from headrace.config import EngineArgs
 from headrace.core.outputs import RequestOutput
-from headrace.core.sampling_params import RequestOutputKind, SamplingParams
-from headrace.core.server import CoreServer
+from headrace.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.async_engine import AsyncEngine, Prompt, new_event_loop
 from headrace.frontend.core_process import private_ipc_address, remove_private_ipc
 from headrace.metrics.exporter import MetricsServer, check_metrics_options
@@ -48,6 +47,10 @@ class LLM:
             raise TypeError(f"LLM() got unknown arguments: {sorted(unknown)}")
         check_metrics_options(metrics_port, metrics_registry)
         args = EngineArgs(model=str(model), **kwargs)
+        # The one place a frontend runs a core: in this process, so the
+        # engine (and torch) load here, when an LLM is built.
+        from headrace.core.server import CoreServer
+
         address, directory = private_ipc_address()
         try:
             self.core = CoreServer(args, address)

@@ -20,7 +20,7 @@ import numpy as np
 
 from headrace.core.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from headrace.core.protocol import EngineCoreOutput, unpack_id_list
-from headrace.core.sampling_params import RequestOutputKind, SamplingParams
+from headrace.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.detokenizer import IncrementalDetokenizer
 from headrace.metrics.stats import FrontendStats
 

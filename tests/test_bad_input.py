@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from headrace import LLM, ConfigError, SamplingParams
-from headrace.core.config import EngineArgs
+from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
 from tests.conftest import assert_blocks_free
 

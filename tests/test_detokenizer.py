@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
-from headrace.core.sampling_params import RequestOutputKind, SamplingParams
+from headrace.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.detokenizer import IncrementalDetokenizer
 from headrace.frontend.output_processor import RequestState, TokenText
 from headrace.testing import CORPUS, build_tokenizer

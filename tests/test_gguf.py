@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from headrace import LLM, AsyncEngine, RequestOutputKind, SamplingParams
-from headrace.core.config import ConfigError
-from headrace.executor.models.gguf import GGUFFile, hf_config
-from headrace.testing.smollm2 import FetchError, smollm2_gguf
+from headrace.checkpoint import ConfigError
+from headrace.checkpoint.gguf import GGUFFile, hf_config
+from headrace.checkpoint.smollm2 import FetchError, smollm2_gguf
 from tests.conftest import hf_greedy, hf_logprobs
 
 QUESTIONS = [
@@ -37,16 +37,13 @@ def smollm2() -> str:
 
 @pytest.fixture(scope="module")
 def reference(smollm2):
-    """transformers' model (dequantized to float32) and our tokenizer for the same file."""
-    from transformers import AutoModelForCausalLM
-
-    from headrace import envs
-    from headrace.executor.models.gguf import load_tokenizer
+    """transformers' model (dequantized to float32) and tokenizer for the same file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = os.path.abspath(smollm2)
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    return model.eval(), load_tokenizer(path, envs.cache_dir())
+    directory, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
@@ -138,7 +135,7 @@ def _raw(rows: int, cols: int, ggml_type: int, rng) -> np.ndarray:
     scale a small finite f16 so the weights are moderate."""
     import gguf
 
-    from headrace.executor.models import gguf_quants
+    from headrace.checkpoint import gguf_quants
 
     if ggml_type in (F32, F16, BF16):
         x = (0.1 * rng.standard_normal((rows, cols))).astype(np.float32)
@@ -199,7 +196,7 @@ def test_every_supported_type_loads_as_transformers_loads_it(tmp_path):
     heads), gives transformers' greedy tokens and logprobs."""
     from transformers import AutoModelForCausalLM
 
-    from headrace.core.config import EngineArgs
+    from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
     from headrace.core.protocol import unpack_ids
 

@@ -8,7 +8,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 
-from headrace.executor.models.gguf_quants import GGML_TYPES, SUPPORTED, dequantize, nbytes
+from headrace.checkpoint.gguf_quants import GGML_TYPES, SUPPORTED, dequantize, nbytes
 
 # type -> byte offsets of the f16 scale fields within a block
 F16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q4_K: [0, 2], T.Q6_K: [208]}

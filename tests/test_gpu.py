@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from headrace import LLM, AsyncEngine, SamplingParams
-from headrace.core.config import ModelConfig
+from headrace.checkpoint.config import ModelConfig
 from headrace.executor.model_runner import kv_block_bytes
 from tests.conftest import ARCHS, hf_greedy, hf_logprobs
 from tests.test_generate import LENGTHS, prompts_of_lengths
@@ -125,7 +125,7 @@ def test_mixed_step_graphs_and_eager_paths_agree(checkpoint, hf_model):
     """Prefill chunks beside decoding rows, replayed from the mixed graphs
     (padded token counts, empty padding rows), give the tokens and logprobs
     of the eager path, and the greedy tokens of transformers."""
-    from headrace.core.config import EngineArgs
+    from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
     from headrace.core.protocol import unpack_ids
 

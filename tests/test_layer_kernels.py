@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from headrace.core.config import RopeConfig  # noqa: E402
+from headrace.checkpoint.config import RopeConfig  # noqa: E402
 from headrace.executor.models import layers  # noqa: E402
 from headrace.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from headrace.kernels.norm import cast_rtne, rms_norm, rms_norm_ref  # noqa: E402

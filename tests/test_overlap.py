@@ -104,7 +104,7 @@ def test_queuing_a_step_never_waits_for_the_device(checkpoint):
 def test_an_id_reused_while_its_old_step_is_in_flight_gets_only_its_own_tokens(checkpoint):
     """Abort a request while its step is queued, add a new request under the
     same id at once: reading back the old step must not touch the new one."""
-    from headrace.core.config import EngineArgs
+    from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
     from headrace.core.protocol import unpack_ids
 

@@ -13,11 +13,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from headrace.core.sampling_params import SamplingParams
+from headrace.sampling_params import SamplingParams
 from headrace.executor.sampler import _apply_filters, sample
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
-from headrace.core.scheduler import NewRequestData
+from headrace.step import NewRequestData
 
 
 class _Batch:

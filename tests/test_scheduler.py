@@ -20,10 +20,10 @@ from collections import Counter, defaultdict, deque
 
 import pytest
 
-from headrace.core.config import CacheConfig, SchedulerConfig
+from headrace.config import CacheConfig, SchedulerConfig
 from headrace.core.kv_cache import hash_block
 from headrace.core.request import Request, RequestStatus
-from headrace.core.sampling_params import SamplingParams
+from headrace.sampling_params import SamplingParams
 from headrace.core.scheduler import Scheduler
 
 EOS = 0

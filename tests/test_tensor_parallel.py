@@ -11,7 +11,7 @@ import time
 import pytest
 
 from headrace import LLM, AsyncEngine, EngineDeadError, RequestOutputKind, SamplingParams
-from headrace.core.config import ConfigError
+from headrace.checkpoint import ConfigError
 from tests.conftest import hf_greedy, hf_logprobs
 
 PROMPTS = ["The river is low today.", "今天天气很好，我们去河边散步吧。", [7, 8, 9, 10, 11] * 6, "def f(x):"]

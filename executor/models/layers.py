@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from headrace.core.config import RopeConfig
+from headrace.checkpoint.config import RopeConfig
 from headrace.kernels import dispatch
 
 

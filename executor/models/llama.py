@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headrace.core.config import ModelConfig
+from headrace.checkpoint.config import ModelConfig
 from headrace.executor.attention import Attention, AttentionMetadata
 from headrace.executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows

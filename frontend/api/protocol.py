@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from headrace.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from headrace.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 class APIError(Exception):

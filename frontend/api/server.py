@@ -79,7 +79,6 @@ def _interrupt(*_) -> None:
 
 def serve(args: argparse.Namespace, engine_args) -> int:
     """Run `headrace serve` until a signal or a child's exit; returns the exit code."""
-    from headrace.frontend.async_engine import core_args
     from headrace.frontend.core_process import CoreProcess
 
     if args.api_servers < 1:
@@ -99,7 +98,7 @@ def serve(args: argparse.Namespace, engine_args) -> int:
         print(f"headrace serve: loading {engine_args.model} in {args.data_parallel_size} engine core"
               f"{'s' if args.data_parallel_size > 1 else ''}...", file=sys.stderr, flush=True)
         for i in range(args.data_parallel_size):  # appended one by one: a failing spawn leaves the others stoppable
-            cores.append(CoreProcess.spawn(core_args(engine_args, i), metrics_port=0))
+            cores.append(CoreProcess.spawn(engine_args, metrics_port=0, data_parallel_rank=i))
         core_flags = []
         for core in cores:
             core_flags += ["--core", core.address, "--core-metrics-url", core.metrics_url()]  # waits for the model

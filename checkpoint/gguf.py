@@ -3,22 +3,19 @@ the weights, often quantized.
 
 The metadata becomes a transformers-style config dict (ModelConfig reads it
 like a config.json); tensors are renamed to transformers' names and
-dequantized at load (gguf_quants.py), undoing the row permutation llama.cpp
-applies to Llama's q and k projections. The tokenizer is converted by
-transformers from the same file (load_tokenizer), once per file: the result
-is saved under the cache directory.
+dequantized (gguf_quants.py), undoing the row permutation llama.cpp applies
+to Llama's q and k projections. The tokenizer is converted by transformers
+from the same file (tokenizer.py).
 """
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from headrace.core.config import ConfigError
-from headrace.executor.models import gguf_quants
+from headrace.checkpoint import ConfigError, gguf_quants
 
 _MAGIC = b"GGUF"
 # GGUF metadata value types -> struct format (8 = string, 9 = array)
@@ -174,19 +171,3 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     [heads, 2, dim/2]."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def load_tokenizer(path: str | Path, cache_dir: Path):
-    """The file's tokenizer, converted by transformers the first time and
-    loaded from the saved conversion afterwards."""
-    from transformers import AutoTokenizer
-
-    path = Path(path).resolve()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    saved = cache_dir / "gguf-tokenizers" / key
-    if (saved / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(saved)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tokenizer.save_pretrained(saved)
-    return tokenizer
