@@ -23,9 +23,8 @@ import random
 import time
 
 import numpy as np
-from transformers import AutoTokenizer
-
-from headrace import AsyncEngine, RequestOutputKind, SamplingParams
+from headrace import AsyncEngine, RequestOutputKind, SamplingParams, envs
+from headrace.checkpoint.tokenizer import load_tokenizer, prepare_tokenizer
 from headrace.core.protocol import EngineCoreOutput, StepOutputs, encode, from_core_decoder, pack_floats, pack_ids
 from headrace.frontend.async_engine import run
 from headrace.frontend.output_processor import TokenText
@@ -65,7 +64,7 @@ async def stream_all(engine: AsyncEngine, encoded: list[bytes], num_requests: in
     states = [await engine.submit(None, [5, 6, 7], sp, request_id=str(i)) for i in range(num_requests)]
     tasks = [asyncio.create_task(consume(s)) for s in states]
     for frame in encoded:
-        await engine._on_outputs(from_core_decoder.decode(frame))
+        await engine._on_outputs(from_core_decoder.decode(frame), engine._clients[0])
         await asyncio.sleep(0)
     return sum(await asyncio.gather(*tasks))
 
@@ -113,9 +112,10 @@ def main() -> None:
         from headrace.testing import demo_checkpoint
 
         args.model = str(demo_checkpoint())
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(prepare_tokenizer(args.model, envs.cache_dir()))  # what frontends use
     engine = AsyncEngine.connect("ipc:///unused")
-    engine.tokenizer, engine._client = tokenizer, _NullClient()
+    client = _NullClient()
+    engine.tokenizer, engine._clients, engine._load = tokenizer, [client], [0]
     engine.info = type("Info", (), {"vocab_size": len(tokenizer), "max_model_len": 1 << 20})()
     t0 = time.perf_counter()
     engine._token_text = TokenText(tokenizer, len(tokenizer))

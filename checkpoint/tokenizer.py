@@ -37,6 +37,7 @@ _REPRODUCED = ("encode", "_encode_plus", "decode", "_decode", "batch_decode", "c
                "convert_ids_to_tokens", "convert_tokens_to_ids", "apply_chat_template", "get_chat_template")
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+_FORCE_BPE_CLEANUP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -87,7 +88,8 @@ def prepare_tokenizer(source: str | Path, cache_dir: Path) -> Path:
         extra_special_tokens=list(tok.extra_special_tokens), all_special_tokens=tok.all_special_tokens,
         all_special_ids=tok.all_special_ids, chat_template=tok.chat_template,
         clean_up_tokenization_spaces=bool(tok.clean_up_tokenization_spaces),
-        clean_up_bpe=bool(tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output),
+        # transformers before 5.17 cleans BPE text up too; later ones only when forced to
+        clean_up_bpe=bool(getattr(tok, _FORCE_BPE_CLEANUP, True)),
         split_special_tokens=bool(tok.split_special_tokens), model_max_length=tok.model_max_length,
         add_bos_token=tok.add_bos_token, add_eos_token=tok.add_eos_token,  # for the record: the backend has them
     )
@@ -106,6 +108,15 @@ def prepare_tokenizer(source: str | Path, cache_dir: Path) -> Path:
     return target
 
 
+def read_prepared(path: str | Path) -> tuple[str, str]:
+    """A prepared directory's two files as text: what a core hands its frontends (they may run elsewhere)."""
+    path = Path(path)
+    try:
+        return (path / "tokenizer.json").read_text(encoding="utf-8"), (path / META_FILE).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{path} is not a prepared tokenizer directory ({type(e).__name__}: {e})") from e
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.load(path)
 
@@ -115,14 +126,19 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
-        path = Path(path)
+        """From a prepared directory."""
+        return cls.from_prepared(*read_prepared(path), where=str(path))
+
+    @classmethod
+    def from_prepared(cls, tokenizer_json: str, meta_json: str, where: str = "the prepared tokenizer") -> Tokenizer:
+        """From the text of a prepared directory's files (read_prepared)."""
         try:
-            meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-        except Exception as e:  # a missing file, bad JSON, a tokenizer.json this tokenizers cannot read
-            raise ValueError(f"{path} is not a prepared tokenizer directory ({type(e).__name__}: {e})") from e
+            meta = json.loads(meta_json)
+            backend = tokenizers.Tokenizer.from_str(tokenizer_json)
+        except Exception as e:  # bad JSON, a tokenizer.json this tokenizers cannot read
+            raise ValueError(f"{where} is not a prepared tokenizer ({type(e).__name__}: {e})") from e
         if meta.get("format") != FORMAT_VERSION:
-            raise ValueError(f"{path} was prepared in format {meta.get('format')}, not {FORMAT_VERSION}: "
+            raise ValueError(f"{where} was prepared in format {meta.get('format')}, not {FORMAT_VERSION}: "
                              "prepare it again")
         return cls(backend, meta)
 

@@ -94,7 +94,11 @@ class Ready(_Msg, tag="ready"):
     protocol: int
     engine_id: str
     model: str
-    tokenizer: str  # the directory of the prepared tokenizer (checkpoint/tokenizer.py)
+    tokenizer: str  # the tokenizer's source: the model, or the tokenizer the core was given
+    # The prepared tokenizer's files (checkpoint/tokenizer.py): a frontend
+    # needs no files of its own, wherever it runs.
+    tokenizer_json: str
+    tokenizer_meta: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]

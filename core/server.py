@@ -26,7 +26,7 @@ import zmq
 
 from headrace import envs
 from headrace.checkpoint.paths import resolve_model_path
-from headrace.checkpoint.tokenizer import prepare_tokenizer
+from headrace.checkpoint.tokenizer import prepare_tokenizer, read_prepared
 from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
 from headrace.core.protocol import (
@@ -82,14 +82,15 @@ class CoreServer:
     data_parallel_rank: see EngineCore.
 
     The tokenizer is prepared here, once per checkpoint on this machine
-    (checkpoint/tokenizer.py), and frontends load the prepared files named
-    in Ready without importing torch."""
+    (checkpoint/tokenizer.py), and Ready carries the prepared files, which
+    frontends load without torch (and without files of their own)."""
 
     def __init__(self, args: EngineArgs, address: str, metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1", data_parallel_rank: int = 0) -> None:
         self.engine = EngineCore(args, data_parallel_rank)
         try:  # what fails from here on must not leave the engine's memory or workers behind
-            tokenizer = prepare_tokenizer(resolve_model_path(args.tokenizer or args.model), envs.cache_dir())
+            tokenizer_json, tokenizer_meta = read_prepared(
+                prepare_tokenizer(resolve_model_path(args.tokenizer or args.model), envs.cache_dir()))
             self.engine_id = uuid.uuid4().hex[:12]
             self.model_name = self.engine.model_config.path
             self.metrics_server = None
@@ -112,7 +113,9 @@ class CoreServer:
                 protocol=PROTOCOL_VERSION,
                 engine_id=self.engine_id,
                 model=mc.path,
-                tokenizer=str(tokenizer),
+                tokenizer=args.tokenizer or mc.path,
+                tokenizer_json=tokenizer_json,
+                tokenizer_meta=tokenizer_meta,
                 max_model_len=self.engine.sched_config.max_model_len,
                 vocab_size=mc.vocab_size,
                 eos_token_ids=sorted(mc.eos_token_ids),

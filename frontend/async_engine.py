@@ -16,7 +16,7 @@ from headrace.core.outputs import RequestOutput
 from headrace.core.protocol import Ready, RequestError, Stats, StepOutputs
 from headrace.core.request import check_prompt
 from headrace.sampling_params import SamplingParams, check_token_ids
-from headrace.checkpoint.tokenizer import load_tokenizer
+from headrace.checkpoint.tokenizer import Tokenizer
 from headrace.frontend.client import EngineClient, EngineDeadError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
@@ -152,7 +152,8 @@ class AsyncEngine:
                             raise ValueError(f"the core at {address} serves {_serves(info)}, the core at "
                                              f"{self.addresses[0]} {_serves(self.info)}; data-parallel cores must match")
                         self.info = self.info or info
-                    self.tokenizer = await asyncio.to_thread(load_tokenizer, self.info.tokenizer)
+                    self.tokenizer = await asyncio.to_thread(Tokenizer.from_prepared, self.info.tokenizer_json,
+                                                             self.info.tokenizer_meta, self.info.tokenizer)
                     self._token_text = await asyncio.to_thread(TokenText, self.tokenizer, self.info.vocab_size)
                 except BaseException:
                     for client in clients:

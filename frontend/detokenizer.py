@@ -24,10 +24,9 @@ class IncrementalDetokenizer:
     character is incomplete and twice when text is emitted.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._tok = tokenizer
-        self._opts = dict(skip_special_tokens=skip_special_tokens,
-                          spaces_between_special_tokens=spaces_between_special_tokens)
+        self._skip = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""  # everything emitted so far
         self._prefix = 0  # window start
@@ -42,8 +41,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids) -> str:
         if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self._opts["skip_special_tokens"])
-        return self._tok.decode(ids, **self._opts)
+            return self._backend.decode(ids, skip_special_tokens=self._skip)
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def add(self, token_ids) -> str:
         """Take new token ids; returns the text they complete (possibly "")."""

@@ -98,7 +98,7 @@ class _Sample:
     def __init__(self, index: int, params: SamplingParams, tokenizer, token_text: TokenText) -> None:
         self.index = index
         self.params = params
-        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         ranked = params.logprob_token_ids is None  # requested ids have no rank, top-N their place
         self._logprobs = _LogprobRows(ranked, token_text) if params.num_logprobs is not None else None
         self.finish_reason: str | None = None

@@ -12,11 +12,13 @@ import time
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
 from headrace.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.detokenizer import IncrementalDetokenizer
 from headrace.frontend.output_processor import RequestState, TokenText
+from headrace.checkpoint.tokenizer import load_tokenizer, prepare_tokenizer
 from headrace.testing import CORPUS, build_tokenizer
 
 SPECIAL_IDS = (0, 1, 2, 3, 4)  # <|bos|> <|eos|> <|pad|> <|im_start|> <|im_end|>
@@ -43,8 +45,25 @@ TEXTS = CORPUS + EXTRA
 
 
 @pytest.fixture(scope="session")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("detok_tokenizer"))
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("detok_tokenizer")
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf(tokenizer_dir):
+    """transformers' tokenizer: the reference every decode is checked against."""
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session", params=["headrace", "transformers"])
+def tok(request, hf, tokenizer_dir, tmp_path_factory):
+    """What the detokenizer runs on: headrace's torch-free tokenizer (the
+    frontends') prepared from the same files, or transformers' own."""
+    if request.param == "transformers":
+        return hf
+    return load_tokenizer(prepare_tokenizer(tokenizer_dir, tmp_path_factory.mktemp("prepared")))
 
 
 def _chunks(n: int, rng: random.Random | None, max_chunk: int = 5) -> list[int]:
@@ -90,36 +109,34 @@ def _token_byte_ends(tok, ids) -> set[int]:
 # ---------------------------------------------------------------- IncrementalDetokenizer
 
 
-def test_extra_texts_really_split_characters(tok):
+def test_extra_texts_really_split_characters(tok, hf):
     """Guard for the streaming tests: many tokens hold only part of a character."""
-    partial = [i for s in TEXTS for i in tok.encode(s) if FFFD in tok.decode([i])]
+    partial = [i for s in TEXTS for i in tok.encode(s) if FFFD in hf.decode([i])]
     assert len(partial) > 100
     for s in EXTRA:
-        assert any(FFFD in tok.decode([i]) for i in tok.encode(s)) or s.isascii(), s
+        assert any(FFFD in hf.decode([i]) for i in tok.encode(s)) or s.isascii(), s
 
 
 @pytest.mark.parametrize("mode", ["one_token", "random_chunks"])
 @pytest.mark.parametrize("skip", [True, False])
-def test_stream_equals_decode(tok, mode, skip):
+def test_stream_equals_decode(tok, mode, skip, hf):
     """Every text, one token at a time or in random chunks: no U+FFFD in any delta, and the
     deltas plus flush() concatenate to decode(ids); the same with special tokens in between."""
     rng = random.Random(1234)
-    for spaces in (True, False):
-        for text in TEXTS:
-            for ids in (tok.encode(text), _with_specials(tok, text, rng)):
-                sizes = _chunks(len(ids), rng if mode == "random_chunks" else None)
-                deltas, tail, d = _stream(tok, ids, sizes, skip_special_tokens=skip,
-                                          spaces_between_special_tokens=spaces)
-                ref = tok.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
-                assert FFFD not in ref
-                assert not any(FFFD in x for x in deltas + [tail]), (text, deltas)
-                assert "".join(deltas) + tail == ref == d.text
-                assert d.token_ids == ids
-                # valid text: flush has nothing left once the last character completed
-                assert tail == ""
+    for text in TEXTS:
+        for ids in (tok.encode(text), _with_specials(tok, text, rng)):
+            sizes = _chunks(len(ids), rng if mode == "random_chunks" else None)
+            deltas, tail, d = _stream(tok, ids, sizes, skip_special_tokens=skip)
+            ref = hf.decode(ids, skip_special_tokens=skip)
+            assert FFFD not in ref
+            assert not any(FFFD in x for x in deltas + [tail]), (text, deltas)
+            assert "".join(deltas) + tail == ref == d.text
+            assert d.token_ids == ids
+            # valid text: flush has nothing left once the last character completed
+            assert tail == ""
 
 
-def test_a_tokenizer_with_clean_up_decodes_through_transformers(tok):
+def test_a_tokenizer_with_clean_up_decodes_through_the_tokenizer(tok):
     """The Rust decode stream is only for tokenizers without the clean-up
     pass; one with it goes through tokenizer.decode, and the stream still
     adds up to that."""
@@ -146,7 +163,7 @@ class _CountingStream:
         return self.stream.step(backend, token_id)
 
 
-def test_one_decode_call_per_token(tok):
+def test_one_decode_call_per_token(tok, hf):
     """A fast tokenizer decodes each token with one call into its backend's
     decode stream, and no other decode until flush()."""
     for text in TEXTS:
@@ -157,10 +174,10 @@ def test_one_decode_call_per_token(tok):
         deltas = [d.add(ids[i : i + n]) for i, n in zip(range(0, len(ids), 3), [3] * len(ids))]
         assert counter.calls == len(ids)
         del d._decode
-        assert "".join(deltas) + d.flush() == tok.decode(ids)
+        assert "".join(deltas) + d.flush() == hf.decode(ids)
 
 
-def test_a_failing_decode_stream_falls_back_to_windows(tok):
+def test_a_failing_decode_stream_falls_back_to_windows(tok, hf):
     """A decode stream that raises part way (a decoder that rewrites earlier
     text) hands over to window decoding: nothing emitted is lost or repeated."""
     for text in TEXTS:
@@ -170,11 +187,11 @@ def test_a_failing_decode_stream_falls_back_to_windows(tok):
             d._stream = _CountingStream(d._stream, fail_at)
             deltas = [d.add([t]) for t in ids]
             assert d._stream is None
-            assert "".join(deltas) + d.flush() == tok.decode(ids), (text, fail_at)
+            assert "".join(deltas) + d.flush() == hf.decode(ids), (text, fail_at)
             assert FFFD not in "".join(deltas)
 
 
-def test_skipped_specials_inside_a_character(tok):
+def test_skipped_specials_inside_a_character(tok, hf):
     """Skipped special tokens between the byte tokens of one character: the character still
     comes out whole, once."""
     rng = random.Random(7)
@@ -184,7 +201,7 @@ def test_skipped_specials_inside_a_character(tok):
             ids.insert(rng.randrange(len(ids) + 1), rng.choice(SPECIAL_IDS))
         deltas, tail, _ = _stream(tok, ids, _chunks(len(ids), rng, 3), skip_special_tokens=True)
         assert not any(FFFD in x for x in deltas + [tail])
-        assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=True) == text
+        assert "".join(deltas) + tail == hf.decode(ids, skip_special_tokens=True) == text
 
 
 def _byte_tokens(tok, char: str, num_bytes: int) -> list[int]:
@@ -194,7 +211,7 @@ def _byte_tokens(tok, char: str, num_bytes: int) -> list[int]:
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_invalid_utf8_at_end(tok, skip):
+def test_invalid_utf8_at_end(tok, skip, hf):
     """Ids ending in an incomplete character: nothing of it is emitted until flush(), which
     then yields what decode yields (with U+FFFD), so the concatenation still equals decode."""
     clef = _byte_tokens(tok, "𝄞", 4)  # U+1D11E, 4 bytes, 4 byte tokens
@@ -219,32 +236,32 @@ def test_invalid_utf8_at_end(tok, skip):
                     assert deltas[-1] == "" or FFFD not in deltas[-1]
             emitted = "".join(deltas)
             assert FFFD not in emitted
-            assert emitted == tok.decode(valid, skip_special_tokens=skip)
+            assert emitted == hf.decode(valid, skip_special_tokens=skip)
             tail = d.flush()
-            ref = tok.decode(ids, skip_special_tokens=skip)
+            ref = hf.decode(ids, skip_special_tokens=skip)
             assert FFFD in ref and FFFD in tail
             assert emitted + tail == ref == d.text
             assert d.flush() == ""  # a second flush adds nothing
 
 
-def test_invalid_utf8_in_the_middle(tok):
+def test_invalid_utf8_in_the_middle(tok, hf):
     """A lone lead byte followed by more text is genuinely invalid: the deltas show U+FFFD
     exactly where decode does, and still concatenate to decode."""
     lead = _byte_tokens(tok, "𝄞", 4)[0]
     ids = tok.encode("ab") + [lead] + tok.encode(" cd 河 👍🏽")
     for sizes in ([1] * len(ids), [2, 3, len(ids) - 5]):
         deltas, tail, _ = _stream(tok, ids, sizes)
-        ref = tok.decode(ids)
+        ref = hf.decode(ids)
         assert ref.count(FFFD) == 1
         assert "".join(deltas) + tail == ref
 
 
-def test_literal_replacement_character(tok):
+def test_literal_replacement_character(tok, hf):
     """A real U+FFFD in the text (bytes EF BF BD) is held until it cannot be a partial
     character any more, and the text still equals decode."""
     ids = tok.encode("a\ufffdb \ufffd")
     deltas, tail, _ = _stream(tok, ids, [1] * len(ids))
-    assert "".join(deltas) + tail == tok.decode(ids) == "a\ufffdb \ufffd"
+    assert "".join(deltas) + tail == hf.decode(ids) == "a\ufffdb \ufffd"
 
 
 # ---------------------------------------------------------------- RequestState
@@ -283,11 +300,11 @@ KIND_TEXTS = [CORPUS[0], CORPUS[12], CORPUS[22], CORPUS[25], EXTRA[4], EXTRA[6]]
 
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
-def test_output_kinds(tok, kind, skip):
+def test_output_kinds(tok, kind, skip, hf):
     rng = random.Random(99)
     for text in KIND_TEXTS:
         ids = _with_specials(tok, text, rng)
-        final = tok.decode(ids, skip_special_tokens=skip)
+        final = hf.decode(ids, skip_special_tokens=skip)
         state = _state(tok, output_kind=kind, skip_special_tokens=skip)
         outs = _feed(state, ids, _chunks(len(ids), rng, 4))
         assert state.finished and state.finish_reason == "length" and not state.stopped_by_string
@@ -318,7 +335,7 @@ def test_output_kinds(tok, kind, skip):
 
 
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
-def test_finish_flushes_an_incomplete_character(tok, kind):
+def test_finish_flushes_an_incomplete_character(tok, kind, hf):
     """The core finishing on a token that leaves a character incomplete: the last output holds
     the rest of decode (with U+FFFD); nothing of it was shown before."""
     valid = tok.encode("Weather 河 ok ")
@@ -328,7 +345,7 @@ def test_finish_flushes_an_incomplete_character(tok, kind):
     got = [o.outputs[0] for o in outs if o is not None]
     assert not any(FFFD in c.text for c in got[:-1])
     full = "".join(c.text for c in got) if kind == RequestOutputKind.DELTA else got[-1].text
-    assert full == tok.decode(ids) == state.final_text() and full.endswith(FFFD)
+    assert full == hf.decode(ids) == state.final_text() and full.endswith(FFFD)
 
 
 def _stop_case(tok, text: str, stop: str, cjk: bool):
@@ -458,7 +475,7 @@ def test_stop_string_completed_by_the_final_core_output(tok):
 
 
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
-def test_logprobs(tok, kind):
+def test_logprobs(tok, kind, hf):
     ids = tok.encode("Hello 河 👍🏽 world")
     rng = np.random.default_rng(0)
     rows = []  # per position: (sampled, sampled_lp, rank, top ids, top lps)
@@ -506,21 +523,21 @@ def test_logprobs(tok, kind):
             assert entry[t].rank == r and entry[t].logprob == f32(v)
         assert entry[sampled].rank == rank and entry[sampled].logprob == f32(lp)
         for t, v in entry.items():
-            assert v.decoded_token == tok.decode([t])
+            assert v.decoded_token == hf.decode([t])
     assert any(FFFD in per_pos[k][ids[k]].decoded_token for k in range(len(ids)))  # byte tokens too
     expected = sum(f32(r[1]) for r in rows)
     assert got[-1].cumulative_logprob == pytest.approx(expected, abs=1e-9)
     assert state.cumulative_logprob == pytest.approx(expected, abs=1e-9)
     full = "".join(c.text for c in got) if kind == RequestOutputKind.DELTA else got[-1].text
-    assert full == tok.decode(ids)
+    assert full == hf.decode(ids)
 
 
-def test_token_text_table(tok):
+def test_token_text_table(tok, hf):
     """The logprobs' decoded_token table: each id's text alone, as decode([id])
     gives it, also for ids the model has beyond the tokenizer."""
     table = TokenText(tok, len(tok) + 7).of
     assert len(table) == len(tok) + 7
-    assert all(table[i] == tok.decode([i]) for i in range(len(tok) + 7))
+    assert all(table[i] == hf.decode([i]) for i in range(len(tok) + 7))
 
 
 def _lp_output(ids, finish=None):
