@@ -1,4 +1,4 @@
-"""What a model is on disk, and nothing of a device: finding a checkpoint, reading its config, its tokenizer, its files."""
+"""What a model is on disk, and nothing of a device: finding it, its config, its tokenizer, its files."""
 
 
 class ConfigError(ValueError):

@@ -229,12 +229,13 @@ class Tokenizer:
                             documents: list[dict] | None = None, chat_template: str | None = None,
                             add_generation_prompt: bool = False, continue_final_message: bool | str = False,
                             tokenize: bool = True, return_dict: bool = False, **kwargs: Any) -> Any:
-        """Render a chat (a list of chats: a list of results) as transformers does, with `tokenize` encoded
-        without adding special tokens. The inputs are tidied as transformers 5.23 tidies them (None-valued
-        keys dropped, a message's reasoning under each name templates read, values made plain data), which
-        earlier versions of transformers render differently or refuse. Unlike transformers 5, which defaults to a BatchEncoding, that gives
-        the ids, or with `return_dict` a plain dict of input_ids and attention_mask. Tools must be JSON
-        schemas; sanitize_control_tokens, padding, truncation and tensors are not supported."""
+        """Render a chat (or a list of chats, giving a list) as transformers does. The inputs are tidied as
+        transformers 5.23 tidies them (None-valued keys dropped, a message's reasoning under each name
+        templates read, values made plain data); earlier transformers render those differently or refuse
+        them. With `tokenize` the text is encoded without special tokens and the ids are returned
+        (transformers 5 returns a BatchEncoding by default), or with `return_dict` a plain dict of
+        input_ids and attention_mask. Tools must be JSON schemas; sanitize_control_tokens, padding,
+        truncation and tensors are not supported."""
         for name in ("sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
                      "return_assistant_tokens_mask", "tokenizer_kwargs"):
             if kwargs.pop(name, None):

@@ -96,3 +96,22 @@ def test_llm_refuses_data_parallel_with_a_pointer(checkpoint):
 
     with pytest.raises(TypeError, match="AsyncEngine.from_model"):
         LLM(checkpoint("qwen3"), data_parallel_size=2)
+
+
+def test_a_core_takes_its_gpus_from_its_data_parallel_rank(monkeypatch):
+    """Core r with tensor_parallel_size t starts at GPU first + r * t, first from its device; the CPU
+    stays the CPU; a rank that is not a non-negative integer is refused."""
+    import torch
+
+    from headrace.config import EngineArgs
+    from headrace.core import engine
+
+    cpu = EngineArgs(model="m", device="cpu")
+    assert engine._place(cpu, 3) is cpu
+    monkeypatch.setattr(engine, "resolve_device", lambda name: torch.device("cuda:1" if name == "cuda:1" else "cuda"))
+    assert engine._place(EngineArgs(model="m"), 0).device == "auto"
+    assert engine._place(EngineArgs(model="m"), 1).device == "cuda:1"
+    assert engine._place(EngineArgs(model="m", device="cuda:1", tensor_parallel_size=2), 2).device == "cuda:5"
+    for bad in (-1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="data_parallel_rank"):
+            engine._place(cpu, bad)
