@@ -9,16 +9,16 @@ from collections import deque
 import numpy as np
 
 from headrace.checkpoint.config import ModelConfig
+from headrace.checkpoint.paths import resolve_model_path
 from headrace.config import CacheConfig, EngineArgs, SchedulerConfig
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
-from headrace.sampling_params import SamplingParams, check_token_ids
 from headrace.core.request import Request, check_prompt
 from headrace.core.scheduler import Scheduler
 from headrace.core.tp import TPExecutor
 from headrace.executor.model_runner import ModelRunner, resolve_device
-from headrace.checkpoint.paths import resolve_model_path
 from headrace.executor.parallel import check_shardable
 from headrace.metrics.stats import EngineStats
+from headrace.sampling_params import SamplingParams, check_token_ids
 
 
 class EngineCore:

@@ -11,17 +11,17 @@ from headrace import envs
 from headrace.checkpoint import ConfigError
 from headrace.checkpoint.config import ModelConfig
 from headrace.config import EngineArgs, SchedulerConfig
-from headrace.step import SchedulerOutput
 from headrace.executor.attention import AttentionMetadata
 from headrace.executor.cuda_graphs import StepGraphs, clear_cublas_workspaces
 from headrace.executor.input_batch import prepare_inputs
-from headrace.executor.models.loader import load_model
-from headrace.executor.sampler import SampledLogprobs, sample
 from headrace.executor.logits_processors import load_logits_processors
+from headrace.executor.models.loader import load_model
 from headrace.executor.parallel import TPGroup, local_kv_heads
+from headrace.executor.sampler import SampledLogprobs, sample
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
+from headrace.step import SchedulerOutput
 
 
 @dataclass

@@ -11,17 +11,17 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 from prometheus_client import CollectorRegistry
 
+from headrace.checkpoint.tokenizer import Tokenizer
 from headrace.config import EngineArgs
 from headrace.core.outputs import RequestOutput
 from headrace.core.protocol import Ready, RequestError, Stats, StepOutputs
 from headrace.core.request import check_prompt
-from headrace.sampling_params import SamplingParams, check_token_ids
-from headrace.checkpoint.tokenizer import Tokenizer
 from headrace.frontend.client import EngineClient, EngineDeadError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
 from headrace.metrics.exporter import MetricsServer, check_metrics_options, frontend_collector
 from headrace.metrics.stats import FrontendStats
+from headrace.sampling_params import SamplingParams, check_token_ids
 
 try:
     import uvloop

@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 
 from headrace.config import EngineArgs
 from headrace.core.outputs import RequestOutput
-from headrace.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.async_engine import AsyncEngine, Prompt, new_event_loop
 from headrace.frontend.core_process import private_ipc_address, remove_private_ipc
 from headrace.metrics.exporter import MetricsServer, check_metrics_options
+from headrace.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("headrace.frontend")
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from headrace.core.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from headrace.core.protocol import EngineCoreOutput, unpack_id_list
-from headrace.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.detokenizer import IncrementalDetokenizer
 from headrace.metrics.stats import FrontendStats
+from headrace.sampling_params import RequestOutputKind, SamplingParams
 
 
 class TokenText:

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from headrace.checkpoint.tokenizer import load_tokenizer, prepare_tokenizer
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
-from headrace.sampling_params import RequestOutputKind, SamplingParams
 from headrace.frontend.detokenizer import IncrementalDetokenizer
 from headrace.frontend.output_processor import RequestState, TokenText
-from headrace.checkpoint.tokenizer import load_tokenizer, prepare_tokenizer
+from headrace.sampling_params import RequestOutputKind, SamplingParams
 from headrace.testing import CORPUS, build_tokenizer
 
 SPECIAL_IDS = (0, 1, 2, 3, 4)  # <|bos|> <|eos|> <|pad|> <|im_start|> <|im_end|>

@@ -13,10 +13,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from headrace.sampling_params import SamplingParams
 from headrace.executor.sampler import _apply_filters, sample
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
+from headrace.sampling_params import SamplingParams
 from headrace.step import NewRequestData
 
 

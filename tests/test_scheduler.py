@@ -23,8 +23,8 @@ import pytest
 from headrace.config import CacheConfig, SchedulerConfig
 from headrace.core.kv_cache import hash_block
 from headrace.core.request import Request, RequestStatus
-from headrace.sampling_params import SamplingParams
 from headrace.core.scheduler import Scheduler
+from headrace.sampling_params import SamplingParams
 
 EOS = 0
 

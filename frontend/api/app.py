@@ -23,8 +23,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from headrace.core.request import check_prompt
-from headrace.sampling_params import SamplingParams
 from headrace.frontend.api import responses as R
+from headrace.sampling_params import SamplingParams
 from headrace.frontend.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             TokenizeRequest, decode_body, named_param)
 from headrace.frontend.async_engine import AsyncEngine
