@@ -48,6 +48,9 @@ class EngineArgs:
     logprobs_mode: str = "raw"
     logits_processors: tuple = ()
     tensor_parallel_size: int = 1  # ranks (worker processes, one GPU each) that split the model
+    # True: every tensor-parallel all-reduce through NCCL (gloo on the CPU),
+    # none through peer GPU memory (executor/all_reduce.py)
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -61,7 +64,7 @@ class EngineArgs:
                 _positive_int(name, getattr(self, name))
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching"):
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "disable_custom_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):

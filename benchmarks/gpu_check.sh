@@ -2,6 +2,7 @@
 # On a GPU machine (torch, triton and transformers preinstalled): install the
 # carried wheels (.whl: msgspec, pyzmq), then run the stages named, in order:
 #   tests       the CUDA tests (engine, overlap, Triton kernels)
+#   ptests      the two-GPU tests alone (tests/test_gpu_parallel.py)
 #   decode      benchmarks/decode_step.py, profiling batch 256 x context 1024
 #   throughput  benchmarks/throughput.py
 #   logprobs    benchmarks/logprobs_cost.py
@@ -13,7 +14,9 @@
 #   prefill     benchmarks/prefill_step.py, profiling batch 64 with a 512-token prompt
 #   gguf        benchmarks/gguf_parity.py (needs gguf and accelerate among the wheels and the SmolLM2
 #               file already in $HEADRACE_CACHE_DIR/smollm2: the machine cannot fetch it)
-#   parallel    benchmarks/parallel.py --configs tp1 (the Qwen3-8B shape on one GPU; tp2 and dp2 need two)
+#   parallel    benchmarks/parallel.py --configs $PARALLEL_CONFIGS (default tp1: the Qwen3-8B shape on one
+#               GPU; tp2, tp2-nccl and dp2 need two)
+#   tp          benchmarks/tp_step.py (two GPUs): all-reduce by message size, decode steps at one GPU and two
 #   frontend    benchmarks/frontend_cost.py on the Qwen3-0.6B checkpoint's tokenizer (CPU only)
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
 set -uo pipefail
@@ -23,6 +26,8 @@ fi
 mkdir -p /tmp/hr && ln -sfn "$PWD" /tmp/hr/headrace
 export PYTHONPATH=/tmp/hr:/tmp/site:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export HEADRACE_CACHE_DIR=${HEADRACE_CACHE_DIR:-/tmp/headrace-cache}
+# Never NVLink multicast (headrace sets these in the processes it starts, too).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
@@ -30,6 +35,7 @@ git log --oneline -1 2>/dev/null || true
 for stage in "$@"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
   case $stage in
+    ptests) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_parallel.py 2>&1 | tee "$out/gpu_parallel_tests.log" | tail -30 ;;
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_parallel.py tests/test_overlap.py tests/test_triton_kernels.py \
              tests/test_attention_kernels.py tests/test_layer_kernels.py tests/test_input_prep.py 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
     decode) python3 benchmarks/decode_step.py --profile 256x1024 2>&1 | grep -v -i warn | tee "$out/decode_step.log" ;;
@@ -42,6 +48,7 @@ for stage in "$@"; do
     prefill) python3 benchmarks/prefill_step.py --profile 64x512 2>&1 | grep -v -i warn | tee "$out/prefill_step.log" ;;
     gguf) python3 benchmarks/gguf_parity.py --device cuda 2>&1 | grep -v -i warn | tee "$out/gguf_parity.log" ;;
     parallel) python3 benchmarks/parallel.py --configs "${PARALLEL_CONFIGS:-tp1}" 2>&1 | grep -v -i warn | tee "$out/parallel.log" ;;
+    tp) python3 benchmarks/tp_step.py ${TP_STEP_ARGS:-} 2>&1 | tee "$out/tp_step.log" ;;
     frontend) python3 -c 'from benchmarks_common import qwen3_06b_checkpoint as c; print(c())' | tail -1 \
                 | xargs -I{} python3 benchmarks/frontend_cost.py --model {} 2>&1 | tee "$out/frontend_cost.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -1,7 +1,7 @@
 """Past one GPU: the community workload on a Qwen3-8B-shaped model with random
 bf16 weights, one GPU against two, each configuration against its floor.
 
-    python3 benchmarks/parallel.py [--configs tp1,tp2,dp2] [--num-requests 256] [--max-output 1024] [--model DIR]
+    python3 benchmarks/parallel.py [--configs tp1,tp2,tp2-nccl,dp2] [--num-requests 256] [--max-output 1024] [--model DIR]
 
 Workload as throughput.py's (benchmarks_common.workload: seed 0, prompts of
 uniform [100, 1024] random token ids, max_tokens uniform [100, 1024],
@@ -10,7 +10,9 @@ max_num_seqs = the number of requests). Configurations:
 - tp1: EngineCore in this process on one GPU; all requests added at once,
   step() until done (throughput.py's run), after a warm-up with the same
   requests cut to 2 output tokens.
-- tp2: the same with tensor_parallel_size=2 (two worker processes, NCCL).
+- tp2: the same with tensor_parallel_size=2 (two worker processes; all-reduces
+  through peer memory up to executor/all_reduce.PEER_MAX_BYTES, NCCL above).
+- tp2-nccl: tp2 with disable_custom_all_reduce (every all-reduce through NCCL).
 - dp2: AsyncEngine.from_model(data_parallel_size=2): two cores on one GPU
   each, all requests at once, one DELTA stream each, after the same warm-up.
 Floors: tp1's is StepFloor over the schedule it executed (every weight read
@@ -35,15 +37,17 @@ from headrace import AsyncEngine, RequestOutputKind, SamplingParams
 from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
 
-CONFIGS = ("tp1", "tp2", "dp2")
+CONFIGS = ("tp1", "tp2", "tp2-nccl", "dp2")
 
 
 def engine_options(args) -> dict:
     return dict(device="cuda", max_model_len=4096, max_num_seqs=args.num_requests, enable_prefix_caching=False)
 
 
-def in_process(args, tp: int, prompts, max_tokens, ceilings) -> dict:
-    core = EngineCore(EngineArgs(model=args.model, tensor_parallel_size=tp, **engine_options(args)))
+def in_process(args, config: str, prompts, max_tokens, ceilings) -> dict:
+    tp = int(config[2])
+    core = EngineCore(EngineArgs(model=args.model, tensor_parallel_size=tp, **engine_options(args),
+                                 disable_custom_all_reduce=config.endswith("-nccl")))
     try:
         floor = StepFloor(core, *ceilings)
         run_ours(core, prompts, [2] * len(prompts))  # warm-up
@@ -51,7 +55,7 @@ def in_process(args, tp: int, prompts, max_tokens, ceilings) -> dict:
         seconds, tokens, _ = run_ours(core, prompts, max_tokens)
         rec.detach()
         floor_s = sum(floor.seconds(rec.steps, rec.kv_tokens, rec.tokens, rec.sampled_rows, rec.pairs)) / tp
-        return {"config": f"tp{tp}", "tokens": tokens, "seconds": seconds, "steps": rec.steps, "floor": floor_s}
+        return {"config": config, "tokens": tokens, "seconds": seconds, "steps": rec.steps, "floor": floor_s}
     finally:
         core.close()
 
@@ -82,7 +86,7 @@ def main() -> None:
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}")
-    need = 2 if {"tp2", "dp2"} & set(configs) else 1
+    need = 2 if {"tp2", "tp2-nccl", "dp2"} & set(configs) else 1
     if torch.cuda.device_count() < need:
         parser.error(f"{args.configs} needs {need} GPUs; this machine has {torch.cuda.device_count()}")
     t0 = time.perf_counter()
@@ -96,11 +100,11 @@ def main() -> None:
     for config in configs:
         if config == "dp2":
             if "tp1" not in results:
-                results["tp1"] = in_process(args, 1, prompts, max_tokens, ceilings)
+                results["tp1"] = in_process(args, "tp1", prompts, max_tokens, ceilings)
             r = asyncio.run(data_parallel(args, prompts, max_tokens))
             r["floor"] = results["tp1"]["floor"] / 2
         else:
-            r = in_process(args, int(config[2:]), prompts, max_tokens, ceilings)
+            r = in_process(args, config, prompts, max_tokens, ceilings)
         results[config] = r
     print("| config | output tok/s | floor tok/s | time / floor |")
     print("| --- | ---: | ---: | ---: |")

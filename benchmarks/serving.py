@@ -6,6 +6,7 @@ through the OpenAI-compatible HTTP server with the openai client.
 
     python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,http,poisson]
         [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--rates 8,24]
+        [--tensor-parallel-size 1] [--data-parallel-size 1 (http: serve's cores)]
         [--repeats 1] [--loop-load MS]
         [--device auto] [--model DIR] [--max-prompt 1024] [--max-output 1024] [--json PATH]
 
@@ -101,7 +102,7 @@ def requests(args, vocab: int) -> tuple[list[list[int]], list[int]]:
 def engine_options(args) -> dict:
     """The EngineArgs, beside the model, of the engines of inproc, burst and http."""
     return {"device": args.device, "max_model_len": args.max_model_len, "max_num_seqs": args.num_requests,
-            "enable_prefix_caching": False}
+            "enable_prefix_caching": False, "tensor_parallel_size": args.tensor_parallel_size}
 
 
 # ---- inproc: the engine core in this process ----
@@ -316,7 +317,8 @@ def api_server(args):
     from headrace.frontend.core_process import engine_args_to_cli
 
     cmd = [sys.executable, "-m", "headrace.frontend.cli", "serve", "--port", "0", "--api-servers",
-           str(args.api_servers), *engine_args_to_cli(EngineArgs(model=args.model, **engine_options(args)))]
+           str(args.api_servers), "--data-parallel-size", str(args.data_parallel_size),
+           *engine_args_to_cli(EngineArgs(model=args.model, **engine_options(args)))]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     try:
         ready = re.search(r" at (http://\S+/v1) ", proc.stdout.readline())
@@ -500,6 +502,8 @@ def parse_args():
     parser.add_argument("--loop-load", type=float, default=0.0, metavar="MS",
                         help="block the frontends' event loops for MS ms every 10 ms")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="of every engine")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="cores behind headrace serve (http only)")
     parser.add_argument("--model", default=None, help="default: the Qwen3-0.6B shape on CUDA, the demo on a CPU")
     parser.add_argument("--max-prompt", type=int, default=1024, help="cut prompts to this many tokens")
     parser.add_argument("--max-output", type=int, default=1024, help="cut max_tokens to this")

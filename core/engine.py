@@ -15,7 +15,7 @@ from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
 from headrace.core.request import Request, check_prompt
 from headrace.core.scheduler import Scheduler
 from headrace.core.tp import TPExecutor
-from headrace.executor.model_runner import ModelRunner, resolve_device
+from headrace.executor.model_runner import ModelRunner, first_gpu, resolve_device
 from headrace.executor.parallel import check_shardable
 from headrace.metrics.stats import EngineStats
 from headrace.sampling_params import SamplingParams, check_token_ids
@@ -263,5 +263,7 @@ def _place(args: EngineArgs, data_parallel_rank: int) -> EngineArgs:
     device = resolve_device(args.device)
     if device.type != "cuda":
         return args
-    first = (device.index or 0) + data_parallel_rank * args.tensor_parallel_size
+    tp = args.tensor_parallel_size
+    first = first_gpu(device, data_parallel_rank * tp, tp, f"data-parallel rank {data_parallel_rank} "
+                      f"(tensor_parallel_size={tp}, counting from {device})")
     return dataclasses.replace(args, device=f"cuda:{first}")

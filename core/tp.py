@@ -29,6 +29,7 @@ import zmq
 
 from headrace.checkpoint.config import ModelConfig
 from headrace.config import EngineArgs, SchedulerConfig
+from headrace.executor.all_reduce import NO_MULTICAST_ENV
 from headrace.step import SchedulerOutput
 from headrace.executor.workers import (Close, Collect, Execute, FromWorker, Init, Ready, Remove, StepResult, ToWorker,
                                        Worker, WorkerError, _Msg, unpack_result)
@@ -50,7 +51,7 @@ class TPExecutor:
     ModelRunner's execute / collect / remove / close, each sent to every rank."""
 
     def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> None:
-        from headrace.executor.model_runner import resolve_device, resolve_dtype
+        from headrace.executor.model_runner import first_gpu, resolve_device, resolve_dtype
 
         size = args.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="headrace-tp-")  # 0700: sockets and the process-group rendezvous
@@ -63,9 +64,12 @@ class TPExecutor:
         self.processors = list(args.logits_processors)  # the workers load them; the core only asks whether any
         self.states = _Slots()
         self.closed = False
+        self._failed = False  # a worker died or failed: the others may be stuck in a collective with it
         device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device)  # what the ranks run in
-        first_gpu = device.index or 0 if device.type == "cuda" else None  # rank r takes GPU first_gpu + r
+        first = None  # on GPUs rank r takes cuda:(first + r)
+        if device.type == "cuda":
+            first = first_gpu(device, 0, size, f"tensor_parallel_size={size} from {device}")
         try:
             for rank in range(size):
                 sock = self._ctx.socket(zmq.PUSH)
@@ -75,9 +79,9 @@ class TPExecutor:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-c", "from headrace.core.tp import main; main()", "--rank", str(rank),
                      "--size", str(size), "--dir", self._dir, "--parent-pid", str(os.getpid())],
-                    stdin=subprocess.DEVNULL))
+                    stdin=subprocess.DEVNULL, env=os.environ | NO_MULTICAST_ENV))
             for rank, sock in enumerate(self._calls):
-                rank_args = args if first_gpu is None else dataclasses.replace(args, device=f"cuda:{first_gpu + rank}")
+                rank_args = args if first is None else dataclasses.replace(args, device=f"cuda:{first + rank}")
                 sock.send(self._encoder.encode(Init(model_config=model_cfg, sched_config=sched_cfg, args=rank_args)))
             ready = [self._receive(Ready) for _ in range(size)]
         except BaseException:
@@ -95,6 +99,7 @@ class TPExecutor:
         while not self._replies.poll(100):
             dead = self._exited()
             if dead:
+                self._failed = True
                 raise WorkerDied(dead)
         msg = self._decoder.decode(self._replies.recv())
         if isinstance(msg, WorkerError):
@@ -102,6 +107,7 @@ class TPExecutor:
             deadline = time.monotonic() + 1.0
             while not (dead := self._exited(skip=msg.rank)) and time.monotonic() < deadline:
                 time.sleep(0.05)
+            self._failed = True
             raise WorkerDied(dead or f"tensor-parallel worker rank {msg.rank} failed: {msg.message}")
         assert isinstance(msg, kind), f"expected {kind.__name__} from a worker, got {type(msg).__name__}"
         return msg
@@ -140,7 +146,9 @@ class TPExecutor:
             self._send_all(Remove(req_ids=req_ids))
 
     def close(self) -> None:
-        """Stop every worker (killing those that do not stop within seconds) and remove the sockets."""
+        """Stop every worker (killing those that do not stop within seconds, or
+        at once after a worker failed: a GPU rank waiting on a dead peer never
+        returns) and remove the sockets."""
         if self.closed:
             return
         self.closed = True
@@ -152,7 +160,7 @@ class TPExecutor:
                 pass
         for p in self.procs:
             try:
-                p.wait(10)
+                p.wait(0.5 if self._failed else 10)
             except subprocess.TimeoutExpired:  # e.g. stuck in a collective with a dead peer
                 p.kill()
                 p.wait()
@@ -189,7 +197,12 @@ def _serve(rank: int, size: int, directory: str) -> None:
 
 
 def main() -> None:
+    import logging
+
+    from headrace import envs
     from headrace.lifetime import die_with_parent
+
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     parser = argparse.ArgumentParser(description="one tensor-parallel worker of an engine core")
     parser.add_argument("--rank", type=int, required=True)

@@ -1,6 +1,7 @@
 """The model runner: slots, staged writes, the model and the sampler, one step at a time."""
 from __future__ import annotations
 
+import functools
 import gc
 from dataclasses import dataclass
 
@@ -72,6 +73,17 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def first_gpu(device: torch.device, offset: int, count: int, what: str) -> int:
+    """The index of the first of count GPUs that start offset GPUs after
+    device; refuses, naming them and what needs them, GPUs this machine lacks."""
+    first = (device.index or 0) + offset
+    have = torch.cuda.device_count()
+    if first + count > have:
+        wanted = f"cuda:{first}" if count == 1 else f"cuda:{first} to cuda:{first + count - 1}"
+        raise ConfigError(f"{what} needs {wanted}, but this machine has {have} GPU(s)")
+    return first
+
+
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
     """'auto': the checkpoint's dtype (float32 when config.json names none),
     except that a float32 checkpoint runs in bfloat16 on a GPU."""
@@ -82,6 +94,22 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
     return getattr(torch, checkpoint_dtype)
 
 
+def on_device(method):
+    """Run a ModelRunner method with the runner's GPU as the current device:
+    Triton launches, CUDA graph captures, events and new streams all go to
+    the current device, whatever GPU their tensors are on. A process may hold
+    runners on several GPUs, so each call sets it, not just the first."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class ModelRunner:
     """One rank's runner: under tensor parallelism every rank runs one, in
     lockstep, on the same inputs (executor/workers.py)."""
@@ -89,6 +117,26 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs,
                  tp: TPGroup = TPGroup()) -> None:
         self.device = resolve_device(args.device)
+        if self.device.type != "cuda":
+            self._build(model_cfg, sched_cfg, args, tp)
+            return
+        with torch.cuda.device(self.device):
+            try:
+                self._build(model_cfg, sched_cfg, args, tp)
+            except torch.OutOfMemoryError as e:
+                self.close()
+                free, total = torch.cuda.mem_get_info(self.device)
+                raise ConfigError(
+                    f"{self.device} ({torch.cuda.get_device_name(self.device)}) ran out of memory while the engine "
+                    f"was starting ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free now): lower max_model_len, "
+                    f"max_num_seqs or max_num_batched_tokens, or use more GPUs ({str(e).splitlines()[0]})") from None
+
+    def _build(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs, tp: TPGroup) -> None:
+        self.closed = False
+        self.model = self.graphs = None
+        self.kv_caches = []
+        self.states = None
+        self.processors = []
         self.tp = tp
         if self.device.type == "cpu" and args.gpu_memory_utilization != 0.9:
             raise ConfigError("gpu_memory_utilization applies to a GPU; on the CPU the KV pool is sized by "
@@ -118,8 +166,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not args.enforce_eager:
             self.graphs = StepGraphs(self.model, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
                                      max_blocks_per_req, sched_cfg.max_model_len, self.device)
-        self.closed = False
 
+    @on_device
     def close(self) -> None:
         """Drop every device tensor this runner holds (weights, KV cache, CUDA
         graphs and their pool, slot and sampling state) and hand the memory
@@ -131,7 +179,8 @@ class ModelRunner:
         self.closed = True
         self.model = self.graphs = None
         self.kv_caches = []
-        self.states.drop_device_tensors()
+        if self.states is not None:
+            self.states.drop_device_tensors()
         self.processors = []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -171,6 +220,7 @@ class ModelRunner:
             )
         return num_blocks
 
+    @on_device
     def remove(self, req_ids) -> None:
         """Free the slots of requests that left (finished, aborted, preempted)."""
         self.check_open()
@@ -222,6 +272,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak + 3 * rows * model_cfg.vocab_size * 4  # sort values and int64 indices
 
+    @on_device
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> PendingOutput:
         """Queue one step on the device and return without waiting for it.
@@ -265,6 +316,7 @@ class ModelRunner:
             pending.ready.record()
         return pending
 
+    @on_device
     def collect(self, pending: PendingOutput) -> ModelRunnerOutput:
         """Wait for a queued step's outputs: the step's one host sync."""
         self.check_open()

@@ -17,6 +17,7 @@ Sharding (Megatron-style, N ranks):
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,35 +25,49 @@ import torch.distributed as dist
 
 from headrace.checkpoint import ConfigError
 from headrace.checkpoint.config import ModelConfig
+from headrace.executor.all_reduce import PeerAllReduce, try_peer_all_reduce
+
+logger = logging.getLogger("headrace.executor")
 
 
 @dataclass(frozen=True)
 class TPGroup:
     """This process's rank among size ranks; group is the torch.distributed
-    process group (None for one rank, when every collective is a no-op)."""
+    process group (None for one rank, when every collective is a no-op);
+    peer, when set, sums the messages it fits through peer GPU memory
+    (executor/all_reduce.py), and NCCL (or gloo) the rest."""
 
     rank: int = 0
     size: int = 1
     group: object = None
+    peer: PeerAllReduce | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
-        return x
-
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., n] on every rank -> [..., size * n], rank 0's columns first."""
+        """The sum of x over the ranks: x itself (reduced in place) or a new tensor."""
         if self.size == 1:
             return x
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer(x)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, n] on every rank -> [rows, size * n] in dtype, rank 0's
+        columns first. The ranks' parts travel in x's dtype (half the bytes
+        of float32 logits from a bfloat16 model) and are laid out and cast
+        in one copy."""
         x = x.contiguous()
+        rows, n = x.shape
         if x.is_cuda:
-            out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(out, x, group=self.group)
-            parts = out.unbind(0)
+            parts = torch.empty((self.size, rows, n), dtype=x.dtype, device=x.device)  # [rank, row, column]
+            dist.all_gather_into_tensor(parts, x, group=self.group)
         else:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=-1)
+            parts = torch.stack(parts)
+        out = torch.empty((rows, self.size * n), dtype=dtype, device=x.device)
+        out.view(rows, self.size, n).copy_(parts.permute(1, 0, 2))
+        return out
 
     def min_int(self, value: int, device: torch.device) -> int:
         """The least of value over all ranks."""
@@ -91,11 +106,25 @@ def vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
     return tp.rank * per_rank, per_rank
 
 
-def init_group(rank: int, size: int, init_file: str, device: torch.device) -> TPGroup:
-    """Join the group of size ranks that meet through init_file (NCCL on CUDA, gloo on the CPU)."""
+def init_group(rank: int, size: int, init_file: str, device: torch.device, dtype: torch.dtype | None = None,
+               peer_bytes: int = 0) -> TPGroup:
+    """Join the group of size ranks that meet through init_file (NCCL on
+    CUDA, gloo on the CPU). On GPUs, with peer_bytes, messages of dtype up to
+    that size are summed through peer memory where the machine allows it
+    (the ranks agree; otherwise NCCL takes them all, and the log says why)."""
     if size == 1:
         return TPGroup()
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size, **kwargs)
-    return TPGroup(rank, size, dist.group.WORLD)
+    group, peer = dist.group.WORLD, None
+    if device.type == "cuda" and peer_bytes and dtype in (torch.bfloat16, torch.float32):
+        peer, reason = try_peer_all_reduce(group, device, dtype, peer_bytes)
+        if rank == 0:
+            if peer is None:
+                logger.warning("tensor parallel: every all-reduce goes through NCCL (no peer-memory all-reduce: %s)",
+                               reason)
+            else:
+                logger.info("tensor parallel: all-reduces of up to %d KiB through peer memory, NCCL above",
+                            peer_bytes // 1024)
+    return TPGroup(rank, size, group, peer)

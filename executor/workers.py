@@ -84,17 +84,21 @@ class Worker:
     """One rank: its ModelRunner (on GPU first + rank, or the CPU) and the steps it has queued."""
 
     def __init__(self, init: Init, rank: int, size: int, rendezvous: str) -> None:
-        from headrace.executor.model_runner import ModelRunner, resolve_device
+        from headrace.executor.all_reduce import PEER_MAX_BYTES
+        from headrace.executor.model_runner import ModelRunner, resolve_device, resolve_dtype
         from headrace.executor.parallel import init_group
 
-        device = resolve_device(init.args.device)
+        args = init.args
+        device = resolve_device(args.device)
         if device.type == "cuda":
             import torch
 
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device)  # NCCL and symmetric memory set up on the current device
+        dtype = resolve_dtype(args.dtype, init.model_config.checkpoint_dtype, device)
+        peer_bytes = 0 if args.disable_custom_all_reduce else PEER_MAX_BYTES
         self.rank = rank
-        self.runner = ModelRunner(init.model_config, init.sched_config, init.args,
-                                  init_group(rank, size, rendezvous, device))
+        self.runner = ModelRunner(init.model_config, init.sched_config, args,
+                                  init_group(rank, size, rendezvous, device, dtype, peer_bytes))
         self.pending: deque = deque()  # steps queued on the device, oldest first
 
     def ready(self) -> Ready:

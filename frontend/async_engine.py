@@ -130,7 +130,11 @@ class AsyncEngine:
         return cls(address, metrics_port=metrics_port, metrics_registry=metrics_registry)
 
     async def __aenter__(self) -> AsyncEngine:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()  # the cores this engine spawned, the others among them
+            raise
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -155,10 +159,15 @@ class AsyncEngine:
                     self.tokenizer = await asyncio.to_thread(Tokenizer.from_prepared, self.info.tokenizer_json,
                                                              self.info.tokenizer_meta, self.info.tokenizer)
                     self._token_text = await asyncio.to_thread(TokenText, self.tokenizer, self.info.vocab_size)
-                except BaseException:
+                except BaseException as e:
                     for client in clients:
                         await client.close()
                     self.info = None
+                    reason = self._processes[len(clients) - 1].startup_failure() if self._processes and clients \
+                        else None
+                    if isinstance(e, EngineDeadError) and reason:
+                        raise EngineDeadError(f"the engine core for {self.addresses[len(clients) - 1]} failed to "
+                                              f"start: {reason}") from None
                     raise
                 if self._stats is not None:
                     with self._stats.lock:

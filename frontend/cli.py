@@ -8,6 +8,7 @@ import sys
 
 from headrace import envs
 from headrace.config import EngineArgs
+from headrace.frontend.core_process import STARTUP_FAILED
 from headrace.lifetime import die_with_parent
 
 DEMO_PROMPTS = [
@@ -74,8 +75,13 @@ def _core(args: argparse.Namespace) -> int:
         die_with_parent(args.parent_pid)
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     engine_args = EngineArgs(**{k: v for k, v in vars(args).items() if k in fields})
-    server = CoreServer(engine_args, args.address, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                        data_parallel_rank=args.data_parallel_rank)
+    try:
+        server = CoreServer(engine_args, args.address, metrics_port=args.metrics_port,
+                            metrics_host=args.metrics_host, data_parallel_rank=args.data_parallel_rank)
+    except Exception as e:
+        # The spawning frontend reads this line to say why (CoreProcess.startup_failure).
+        print(f"{STARTUP_FAILED}{type(e).__name__}: {e}".replace("\n", " "), flush=True)
+        raise
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     # The first line names the address; tools read it (and the second, with metrics).

@@ -46,13 +46,18 @@ def engine_args_to_cli(args: EngineArgs) -> list[str]:
     return flags
 
 
+STARTUP_FAILED = "headrace core: failed: "  # the line a core prints before exiting when it cannot start
+
+
 class CoreProcess:
     """A `headrace core` child process serving on a private ipc socket."""
 
-    def __init__(self, proc: subprocess.Popen, address: str, directory: str | None) -> None:
+    def __init__(self, proc: subprocess.Popen, address: str, directory: str | None, has_metrics: bool = False) -> None:
         self.proc = proc
         self.address = address
         self._directory = directory
+        self._has_metrics = has_metrics
+        self._failure: str | None = None  # why it failed to start, once read
 
     @classmethod
     def spawn(cls, args: EngineArgs, address: str | None = None, metrics_port: int | None = None,
@@ -71,21 +76,32 @@ class CoreProcess:
             cmd += ["--metrics-port", str(metrics_port)]
         if data_parallel_rank:
             cmd += ["--data-parallel-rank", str(data_parallel_rank)]
-        # Logs go to stderr; stdout carries the start-up lines (read by metrics_url).
-        out = subprocess.PIPE if metrics_port is not None else subprocess.DEVNULL
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, text=True)
-        return cls(proc, address, directory)
+        # Logs go to stderr; stdout carries the start-up lines (read by
+        # metrics_url and startup_failure): a few lines, so the pipe never fills.
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        return cls(proc, address, directory, metrics_port is not None)
 
     def metrics_url(self) -> str:
         """Wait until the core is serving (its model loaded) and return the URL
         of its metrics; a core spawned without metrics_port has none to give."""
-        if self.proc.stdout is None:
+        if not self._has_metrics:
             raise ValueError("this core was spawned without metrics_port")
         for line in self.proc.stdout:  # "headrace core: serving ...", then "headrace core: metrics at URL"
             if line.startswith("headrace core: metrics at "):
                 return line.split(" at ", 1)[1].strip()
+            if line.startswith(STARTUP_FAILED):
+                self._failure = line[len(STARTUP_FAILED):].strip()
         code = self.proc.wait()
-        raise RuntimeError(f"the engine core exited during start-up (exit code {code}); its log is above")
+        raise RuntimeError(f"the engine core exited during start-up (exit code {code}): "
+                           f"{self._failure or 'its log is above'}")
+
+    def startup_failure(self) -> str | None:
+        """Why a core that exited during start-up failed (its error), if it said."""
+        if self._failure is None and self.proc.poll() is not None and self.proc.stdout is not None:
+            for line in self.proc.stdout:
+                if line.startswith(STARTUP_FAILED):
+                    self._failure = line[len(STARTUP_FAILED):].strip()
+        return self._failure
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -109,9 +109,29 @@ def test_a_core_takes_its_gpus_from_its_data_parallel_rank(monkeypatch):
     cpu = EngineArgs(model="m", device="cpu")
     assert engine._place(cpu, 3) is cpu
     monkeypatch.setattr(engine, "resolve_device", lambda name: torch.device("cuda:1" if name == "cuda:1" else "cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert engine._place(EngineArgs(model="m"), 0).device == "auto"
     assert engine._place(EngineArgs(model="m"), 1).device == "cuda:1"
     assert engine._place(EngineArgs(model="m", device="cuda:1", tensor_parallel_size=2), 2).device == "cuda:5"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a rank past the machine's GPUs, named
+    with pytest.raises(ValueError, match=r"data-parallel rank 1 \(tensor_parallel_size=2.*cuda:2 to cuda:3.* 2 GPU"):
+        engine._place(EngineArgs(model="m", tensor_parallel_size=2), 1)
     for bad in (-1, 1.0, True, "1"):
         with pytest.raises(ValueError, match="data_parallel_rank"):
             engine._place(cpu, bad)
+
+
+def test_a_core_that_cannot_start_says_why_and_no_core_is_left(checkpoint):
+    """The cores' KV pool cannot hold a sequence: the error a core raised reaches the caller, and no core
+    is left running."""
+    from tests.test_tensor_parallel import _children
+
+    async def main():
+        async with AsyncEngine.from_model(str(checkpoint("qwen3")), data_parallel_size=2, device="cpu",
+                                          max_model_len=256, num_kv_blocks=4):
+            pass
+
+    with pytest.raises(EngineDeadError, match=r"failed to start: ConfigError: num_kv_blocks=4 cannot hold one "
+                                              r"sequence of max_model_len=256"):
+        asyncio.run(main())
+    assert not _children(os.getpid(), "headrace")

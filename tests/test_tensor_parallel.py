@@ -72,33 +72,41 @@ def test_shapes_the_ranks_cannot_split_are_refused(checkpoint):
         LLM(checkpoint("qwen3"), tensor_parallel_size=0, device="cpu")
 
 
-def _workers_of(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "-P", str(pid), "headrace.core.tp"], capture_output=True, text=True)
+def _children(pid: int, pattern: str) -> list[int]:
+    """The child processes of pid whose command line contains pattern."""
+    out = subprocess.run(["pgrep", "-f", "-P", str(pid), pattern], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
-def test_a_dead_worker_fails_the_engine_fast_and_leaves_no_process(checkpoint):
-    async def main():
-        engine = AsyncEngine.from_model(str(checkpoint("qwen3")), tensor_parallel_size=2, max_model_len=1024,
-                                        device="cpu", dtype="float32")
-        async with engine:
-            core = engine._process.proc.pid
-            workers = _workers_of(core)
-            assert len(workers) == 2
-            sp = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-            stream = engine.generate("The river", sp)
-            await stream.__anext__()
-            os.kill(workers[1], signal.SIGKILL)
-            start = time.monotonic()
-            with pytest.raises(EngineDeadError, match="tensor-parallel worker rank 1"):
-                async for _ in stream:
-                    pass
-            assert time.monotonic() - start < 5
-            for _ in range(100):  # the core exits, and takes its other worker with it
-                if engine._process.proc.poll() is not None and not any(os.path.exists(f"/proc/{w}") for w in workers):
-                    break
-                await asyncio.sleep(0.1)
-            assert engine._process.proc.poll() is not None
-            assert not [w for w in workers if os.path.exists(f"/proc/{w}")]
+def _workers_of(pid: int) -> list[int]:
+    return _children(pid, "headrace.core.tp")
 
-    asyncio.run(main())
+
+def test_a_dead_worker_fails_the_engine_fast_and_leaves_no_process(checkpoint):
+    asyncio.run(dead_worker_fails_the_engine_fast(checkpoint("qwen3"), "cpu"))
+
+
+async def dead_worker_fails_the_engine_fast(path, device: str) -> None:
+    """SIGKILL rank 1 mid-stream: the stream fails within 5 s naming the rank, and the core and the
+    other worker exit."""
+    engine = AsyncEngine.from_model(str(path), tensor_parallel_size=2, max_model_len=1024,
+                                    device=device, dtype="float32")
+    async with engine:
+        core = engine._process.proc.pid
+        workers = _workers_of(core)
+        assert len(workers) == 2
+        sp = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        stream = engine.generate("The river", sp)
+        await stream.__anext__()
+        os.kill(workers[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="tensor-parallel worker rank 1"):
+            async for _ in stream:
+                pass
+        assert time.monotonic() - start < 5
+        for _ in range(100):  # the core exits, and takes its other worker with it
+            if engine._process.proc.poll() is not None and not any(os.path.exists(f"/proc/{w}") for w in workers):
+                break
+            await asyncio.sleep(0.1)
+        assert engine._process.proc.poll() is not None
+        assert not [w for w in workers if os.path.exists(f"/proc/{w}")]

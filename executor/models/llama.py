@@ -111,10 +111,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = nn.functional.linear(hidden, weight).float()
+        logits = nn.functional.linear(hidden, weight)
         if self.tp.size == 1:
-            return logits
-        return self.tp.all_gather_last(logits)[:, : self.cfg.vocab_size]
+            return logits.float()
+        return self.tp.all_gather_columns(logits, torch.float32)[:, : self.cfg.vocab_size]
 
     def shard_sizes(self, fused: str) -> list[int]:
         attn = self.layers[0].self_attn
