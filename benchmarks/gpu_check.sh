@@ -16,6 +16,8 @@
 #               file already in $HEADRACE_CACHE_DIR/smollm2: the machine cannot fetch it)
 #   parallel    benchmarks/parallel.py --configs $PARALLEL_CONFIGS (default tp1: the Qwen3-8B shape on one
 #               GPU; tp2, tp2-nccl and dp2 need two)
+#   pserve      benchmarks/serving.py's http part (headrace serve, openai clients) on the Qwen3-8B shape with
+#               --tensor-parallel-size 2, then --data-parallel-size 2 (two GPUs; needs the http wheels)
 #   tp          benchmarks/tp_step.py (two GPUs): all-reduce by message size, decode steps at one GPU and two
 #   frontend    benchmarks/frontend_cost.py on the Qwen3-0.6B checkpoint's tokenizer (CPU only)
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
@@ -48,6 +50,12 @@ for stage in "$@"; do
     prefill) python3 benchmarks/prefill_step.py --profile 64x512 2>&1 | grep -v -i warn | tee "$out/prefill_step.log" ;;
     gguf) python3 benchmarks/gguf_parity.py --device cuda 2>&1 | grep -v -i warn | tee "$out/gguf_parity.log" ;;
     parallel) python3 benchmarks/parallel.py --configs "${PARALLEL_CONFIGS:-tp1}" 2>&1 | grep -v -i warn | tee "$out/parallel.log" ;;
+    pserve) m=$(python3 -c 'from benchmarks_common import qwen3_8b_checkpoint as c; print(c())' | tail -1)
+            for flags in "--tensor-parallel-size 2" "--data-parallel-size 2"; do
+              echo "--- headrace serve $flags"
+              python3 benchmarks/serving.py --parts http --device cuda --model "$m" $flags 2>&1 | grep -v -i warn \
+                | tee -a "$out/serve_parallel.log"
+            done ;;
     tp) python3 benchmarks/tp_step.py ${TP_STEP_ARGS:-} 2>&1 | tee "$out/tp_step.log" ;;
     frontend) python3 -c 'from benchmarks_common import qwen3_06b_checkpoint as c; print(c())' | tail -1 \
                 | xargs -I{} python3 benchmarks/frontend_cost.py --model {} 2>&1 | tee "$out/frontend_cost.log" ;;
