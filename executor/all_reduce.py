@@ -10,9 +10,7 @@ pad of per-block signal flags. One kernel does the whole all-reduce
 barrier on the flags until every rank has done so, reads and sums all the
 buffers, and waits again so that no rank overwrites its buffer while a peer
 still reads it. It is a plain kernel on the current stream, so the step's
-CUDA graphs capture it. Where the sum feeds the residual add and RMSNorm
-(every all-reduce of a decoder layer's output), one Triton kernel does all
-three (kernels/allreduce_norm.py).
+CUDA graphs capture it.
 
 Messages larger than the buffer go to NCCL, whose bandwidth wins there.
 NVLink multicast is never used: the one-shot kernel reads peers' memory
@@ -26,10 +24,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-
-from headrace.kernels.allreduce_norm import allreduce_add_rms_norm
-from headrace.kernels.device import num_sms
-from headrace.kernels.norm import MAX_HIDDEN
 
 # Keeps NVLink multicast (NVLS) off in NCCL, torch's symmetric memory and NVSHMEM.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -64,32 +58,11 @@ class PeerAllReduce:
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.max_numel = self.buffer.numel()
         self._copy_in_kernel = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
-        # The fused all-reduce + residual add + RMSNorm (kernels/allreduce_norm.py)
-        # keeps a buffer and signal pad of its own, apart from torch's kernels'.
-        self.norm_buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
-        norm = symm_mem.rendezvous(self.norm_buffer, self.group_name)
-        self.rank, self.world_size = norm.rank, norm.world_size
-        self._buffers = torch.tensor(norm.buffer_ptrs, dtype=torch.int64, device=device)  # [world] addresses
-        self._pads = torch.tensor(norm.signal_pad_ptrs, dtype=torch.int64, device=device)  # [world] addresses
-        # a program takes two flags from each rank
-        self._max_programs = min(num_sms(device), norm.signal_pad_size // 4 // (2 * self.world_size))
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
         return (x.dtype == self.buffer.dtype and 0 < x.numel() <= self.max_numel and x.is_contiguous()
                 and nbytes % _ALIGN == 0 and x.storage_offset() * x.element_size() % _ALIGN == 0)
-
-    def fits_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
-        return (x.dtype == self.buffer.dtype and x.dim() == 2 and 0 < x.numel() <= self.max_numel
-                and x.shape[1] <= MAX_HIDDEN and x.is_contiguous() and residual.is_contiguous()
-                and residual.shape == x.shape and residual.dtype == x.dtype)
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm of residual + the sum of x over the ranks, that new residual), in one kernel; residual is
-        updated in place, as the fused residual RMSNorm does; x must fit (fits_norm)."""
-        return allreduce_add_rms_norm(x, residual, weight, eps, self._buffers, self._pads, self.rank,
-                                      self.world_size, self._max_programs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks, in a new tensor (x itself is left as it was); x must fit."""

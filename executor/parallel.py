@@ -51,16 +51,6 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm (an RMSNorm) of residual + the sum of x over the ranks, and that
-        new residual: x is each rank's partial output of a row-parallel
-        projection. Through peer memory, the sum, add and norm are one kernel."""
-        if self.size > 1:
-            if self.peer is not None and self.peer.fits_norm(x, residual):
-                return self.peer.add_norm(x, residual, norm.weight, norm.eps)
-            x = self.all_reduce(x)
-        return norm(x, residual)
-
     def all_gather_columns(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[rows, n] on every rank -> [rows, size * n] in dtype, rank 0's
         columns first. The ranks' parts travel in x's dtype (half the bytes

@@ -49,7 +49,7 @@ def cast_rtne(x, dtype: tl.constexpr):
 # A row r of a 3-D input [n, m, hidden] (Qwen3's per-head q/k norm over a
 # strided view of the qkv projection) lives at (r // m) * stride0 + (r % m) * stride1;
 # a 2-D input is the case m = 1.
-MAX_HIDDEN = 16384
+_MAX_HIDDEN = 16384
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def rms_norm(
     assert x.dim() in (2, 3) and x.stride(-1) == 1, (x.shape, x.stride())
     hidden = x.shape[-1]
     assert weight.shape == (hidden,) and weight.stride(0) == 1
-    assert hidden <= MAX_HIDDEN, hidden
+    assert hidden <= _MAX_HIDDEN, hidden
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)

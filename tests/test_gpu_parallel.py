@@ -116,7 +116,6 @@ def test_a_dead_worker_fails_a_gpu_engine_fast_and_leaves_no_process(checkpoint)
 _RANK = """
 import sys, torch, torch.distributed as dist
 from headrace.executor.all_reduce import PeerAllReduce
-from headrace.kernels.norm import rms_norm
 rank, init = int(sys.argv[1]), sys.argv[2]
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl", init_method="file://" + init, rank=rank, world_size=2, device_id=torch.device("cuda", rank))
@@ -144,35 +143,13 @@ for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(out, want), ("graph", dtype, n)
     assert not peer.fits(torch.empty(3, dtype=dtype, device="cuda"))  # 6 or 12 bytes: not 16-aligned
     assert not peer.fits(torch.empty((1 << 20) // dtype.itemsize + 8, dtype=dtype, device="cuda"))
-    for rows in (1, 7, 300):  # 300 rows: more than the SMs, so programs take several rows each
-        gen = torch.Generator("cuda").manual_seed(rows)  # the same residual and weight on both ranks
-        res = torch.randn(rows, 768, generator=gen, device="cuda").to(dtype)
-        w = (torch.rand(768, generator=gen, device="cuda") + 0.5).to(dtype)
-        x = torch.randn(rows, 768, generator=torch.Generator("cuda").manual_seed(rank), device="cuda").to(dtype)
-        want_out, want_res = rms_norm(peer(x), w, 1e-6, res.clone())  # the unfused path
-        out, got_res = peer.add_norm(x, res.clone(), w, 1e-6)
-        assert torch.equal(out, want_out) and torch.equal(got_res, want_res), ("add_norm", dtype, rows)
-        r = res.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            peer.add_norm(x, r, w, 1e-6)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = peer.add_norm(x, r, w, 1e-6)[0]
-        r.copy_(res)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want_out) and torch.equal(r, want_res), ("add_norm graph", dtype, rows)
 print("ok")
 """
 
 
 def test_the_peer_memory_all_reduce_equals_nccl_eagerly_and_in_graphs():
     """Sums of two ranks' bfloat16 and float32 vectors, bit for bit as NCCL's, called directly and replayed
-    from a CUDA graph with new inputs; the fused all-reduce + residual add + RMSNorm bit for bit as the
-    all-reduce followed by the fused residual RMSNorm."""
+    from a CUDA graph with new inputs."""
     with tempfile.TemporaryDirectory() as d:
         env = os.environ | NO_MULTICAST_ENV
         procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), f"{d}/init"], env=env, stdout=subprocess.PIPE,

@@ -38,7 +38,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta).view(-1, self.q_size))  # this rank's part of the sum
+        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v, meta).view(-1, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -50,29 +50,24 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # this rank's part of the sum
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DecoderAttention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
     def forward(self, positions, x, residual, meta):
-        """x: the embeddings (residual None), or the last layer's MLP output,
-        each rank's part of it: the ranks' parts are summed where they meet
-        the residual (TPGroup.add_norm). Returns this layer's MLP output, as
-        each rank's part, and the residual."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.tp.add_norm(x, residual, self.input_layernorm)
+            x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
-        x, residual = self.tp.add_norm(x, residual, self.post_attention_layernorm)
+        x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
@@ -111,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed(input_ids), None  # [num_tokens, hidden]
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        x, _ = self.tp.add_norm(x, residual, self.norm)
+        x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] float32
