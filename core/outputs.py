@@ -130,3 +130,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = field(default=None)
+    # Prompt tokens the core found in its prefix cache when it first scheduled
+    # the request (with n > 1, its first sample); None before the core said.
+    num_cached_tokens: int | None = None

@@ -19,6 +19,7 @@ from headrace.core.request import check_prompt
 from headrace.frontend.client import EngineClient, EngineDeadError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
+from headrace.frontend.router import Router, check_routing
 from headrace.metrics.exporter import MetricsServer, check_metrics_options, frontend_collector
 from headrace.metrics.stats import FrontendStats
 from headrace.sampling_params import SamplingParams, check_token_ids
@@ -56,10 +57,15 @@ class AsyncEngine:
     never outlives this process); connect joins a core already running.
 
     Data parallelism: with several cores (from_model's data_parallel_size,
-    or connect with a list of addresses) each request goes to the core with
-    the fewest of this frontend's requests and streams from it to the end.
-    A core that dies fails its own requests; the engine then counts as dead
-    (new requests raise EngineDeadError) while the other cores finish theirs.
+    or connect with a list of addresses) each request goes to one core and
+    streams from it to the end. routing="prefix" (the default) sends a
+    prompt whose leading blocks this frontend sent to a core before to that
+    core, so it finds them in its prefix cache, unless that core is clearly
+    busier than the least loaded one; routing="least_loaded" always picks
+    the core with the fewest of this frontend's requests (frontend/router.py
+    states the rule). A core that dies fails its own requests; the engine
+    then counts as dead (new requests raise EngineDeadError) while the
+    other cores finish theirs.
 
     Request-level Prometheus metrics (docs/metrics.md): metrics_port serves
     them on 127.0.0.1:port (0 = a free port; see self.metrics_port), or
@@ -67,8 +73,9 @@ class AsyncEngine:
     """
 
     def __init__(self, address: str | Sequence[str], process: CoreProcess | Sequence[CoreProcess] | None = None, *,
-                 metrics_port: int | None = None, metrics_registry=None) -> None:
+                 metrics_port: int | None = None, metrics_registry=None, routing: str = "prefix") -> None:
         check_metrics_options(metrics_port, metrics_registry)
+        self._routing = check_routing(routing)
         self.addresses = [address] if isinstance(address, str) else list(address)
         if not self.addresses:
             raise ValueError("give at least one core address")
@@ -89,7 +96,7 @@ class AsyncEngine:
             self._metrics_collector.add(self._stats)
         self._clients: list[EngineClient] = []  # one per core, in the order of self.addresses
         self._load: list[int] = []  # core -> this frontend's live requests on it
-        self._last_core = -1  # the core the last request went to
+        self._router: Router | None = None  # made at the handshake, from each core's Ready
         self._start_lock: asyncio.Lock | None = None
         self.tokenizer = None
         self.info: Ready | None = None
@@ -100,13 +107,15 @@ class AsyncEngine:
 
     @classmethod
     def from_model(cls, model: str, *, metrics_port: int | None = None, metrics_registry=None,
-                   core_metrics_port: int | None = None, data_parallel_size: int = 1, **engine_args) -> AsyncEngine:
+                   core_metrics_port: int | None = None, data_parallel_size: int = 1, routing: str = "prefix",
+                   **engine_args) -> AsyncEngine:
         """Spawn data_parallel_size cores for model (on a GPU machine core i
         takes the tensor_parallel_size GPUs from i * tensor_parallel_size);
         core_metrics_port has each serve its own series on 127.0.0.1:port
         (with several cores only 0, a free port each; metrics_port is this
-        frontend's)."""
+        frontend's); routing: how requests pick a core (see the class)."""
         check_metrics_options(metrics_port, metrics_registry)
+        check_routing(routing)
         if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         if data_parallel_size > 1 and core_metrics_port not in (None, 0):
@@ -117,7 +126,7 @@ class AsyncEngine:
             for i in range(data_parallel_size):
                 processes.append(CoreProcess.spawn(args, metrics_port=core_metrics_port, data_parallel_rank=i))
             return cls([p.address for p in processes], processes, metrics_port=metrics_port,
-                       metrics_registry=metrics_registry)
+                       metrics_registry=metrics_registry, routing=routing)
         except BaseException:
             for p in processes:
                 p.shutdown()
@@ -125,9 +134,9 @@ class AsyncEngine:
 
     @classmethod
     def connect(cls, address: str | Sequence[str], *, metrics_port: int | None = None,
-                metrics_registry=None) -> AsyncEngine:
+                metrics_registry=None, routing: str = "prefix") -> AsyncEngine:
         """Join running cores: one address, or several (data parallel)."""
-        return cls(address, metrics_port=metrics_port, metrics_registry=metrics_registry)
+        return cls(address, metrics_port=metrics_port, metrics_registry=metrics_registry, routing=routing)
 
     async def __aenter__(self) -> AsyncEngine:
         try:
@@ -173,6 +182,8 @@ class AsyncEngine:
                     with self._stats.lock:
                         self._stats.model_name = self.info.model
                 self._clients, self._load = clients, [0] * len(clients)
+                self._router = Router([c.ready.block_size for c in clients], [c.ready.num_kv_blocks for c in clients],
+                                      self._routing)
                 loop = asyncio.get_running_loop()
                 self._output_tasks = [loop.create_task(self._receive_outputs(i)) for i in range(len(clients))]
         return self.info
@@ -253,9 +264,7 @@ class AsyncEngine:
         arrival = time.time()
         state = RequestState(request_id, text, token_ids, params, self.tokenizer, self._token_text, arrival)
         state.stats = self._stats
-        # The least loaded core; among equals, the next after the last one chosen.
-        n, after = len(self._clients), self._last_core + 1
-        state.core = self._last_core = min(range(n), key=lambda i: (self._load[i], (i - after) % n))
+        state.core = self._router.choose(token_ids, self._load, [c.dead is None for c in self._clients])
         self._clients[state.core].add(request_id, token_ids, params, arrival)
         self._states[request_id] = state
         self._load[state.core] += 1

@@ -210,6 +210,7 @@ class RequestState:
         self.samples = [_Sample(i, params, tokenizer, token_text) for i in range(params.n)]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_logprobs: Logprobs | None = None
+        self.num_cached_tokens: int | None = None  # prompt tokens the core's prefix cache served
         self._token_text = token_text
         self.stopped_by_string: list[str] = []  # "id#i" (or "id") of samples a stop string ended
         self.stats: FrontendStats | None = None  # where request-level metrics go, if anywhere
@@ -256,6 +257,8 @@ class RequestState:
         if sample.finished:
             return  # e.g. tokens the core produced before it saw our abort
         sample.process(out)
+        if out.index == 0:
+            self.num_cached_tokens = out.num_cached_tokens
         m = self.metrics
         if self.stats is not None and timestamp:
             if sample.last_token_time is not None and out.new_token_ids:
@@ -338,4 +341,5 @@ class RequestState:
             finished=finished,
             metrics=self.metrics,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
         )
