@@ -55,6 +55,7 @@ class PeerAllReduce:
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)  # [max numel]
+        # Maps the peers' buffers; held for the buffer's life (the ops find it again by pointer).
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.max_numel = self.buffer.numel()
         self._copy_in_kernel = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")

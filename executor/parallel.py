@@ -118,7 +118,7 @@ def init_group(rank: int, size: int, init_file: str, device: torch.device, dtype
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size, **kwargs)
     group, peer = dist.group.WORLD, None
-    if device.type == "cuda" and peer_bytes and dtype in (torch.bfloat16, torch.float32):
+    if device.type == "cuda" and peer_bytes:  # PeerAllReduce refuses, naming it, a dtype it cannot sum
         peer, reason = try_peer_all_reduce(group, device, dtype, peer_bytes)
         if rank == 0:
             if peer is None:

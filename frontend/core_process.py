@@ -89,19 +89,21 @@ class CoreProcess:
         for line in self.proc.stdout:  # "headrace core: serving ...", then "headrace core: metrics at URL"
             if line.startswith("headrace core: metrics at "):
                 return line.split(" at ", 1)[1].strip()
-            if line.startswith(STARTUP_FAILED):
-                self._failure = line[len(STARTUP_FAILED):].strip()
+            self._note_failure(line)
         code = self.proc.wait()
         raise RuntimeError(f"the engine core exited during start-up (exit code {code}): "
                            f"{self._failure or 'its log is above'}")
 
     def startup_failure(self) -> str | None:
         """Why a core that exited during start-up failed (its error), if it said."""
-        if self._failure is None and self.proc.poll() is not None and self.proc.stdout is not None:
+        if self._failure is None and self.proc.poll() is not None:
             for line in self.proc.stdout:
-                if line.startswith(STARTUP_FAILED):
-                    self._failure = line[len(STARTUP_FAILED):].strip()
+                self._note_failure(line)
         return self._failure
+
+    def _note_failure(self, line: str) -> None:
+        if line.startswith(STARTUP_FAILED):
+            self._failure = line[len(STARTUP_FAILED):].strip()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
