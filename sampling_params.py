@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import math
 from typing import Any
 
 import msgspec
@@ -11,6 +12,8 @@ MAX_LOGPROBS = 20  # top-N logprobs per position, and prompt logprobs
 MAX_LOGPROB_TOKEN_IDS = 128  # ids in logprob_token_ids
 MAX_LOGIT_BIAS = 1024  # entries in logit_bias
 MAX_STOP_TOKEN_IDS = 64
+MAX_BEST_OF = 128  # samples, or beams, of one request
+EARLY_STOPPING = (True, False, "never")
 ACT_FUNCS = ("log_softmax", "sigmoid")
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -30,6 +33,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     """
 
     n: int = 1
+    best_of: int | None = None  # samples (or beams) generated, of which the n best return; None = n
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search: hypotheses rank by cumulative_logprob / length ** length_penalty
+    early_stopping: bool | str = False  # beam search: True, False or "never" (transformers' meaning)
+    # beam search: the logits are divided by this before the beam scores (LLM.beam_search's temperature; 0 = none)
+    beam_search_temperature: float = 0.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -74,6 +83,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
                                  f"got {self.output_kind!r}") from None
         self._check_ranges()
         self._check_token_lists()
+        self._check_best_of()
         self._resolve_act_func()
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} or None, got {self.logprobs_mode!r}")
@@ -101,6 +111,52 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             value = getattr(self, name)
             if value is not None:
                 _range(name, value, 0, MAX_LOGPROBS)
+
+    def _check_best_of(self) -> None:
+        if self.best_of is not None:
+            _range("best_of", self.best_of, 1, MAX_BEST_OF)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if self.early_stopping not in EARLY_STOPPING:
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if not 0.0 <= self.beam_search_temperature < float("inf"):
+            raise ValueError(f"beam_search_temperature must be >= 0 and finite, got {self.beam_search_temperature}")
+        if not self.use_beam_search:
+            for name, default in (("length_penalty", 1.0), ("early_stopping", False), ("beam_search_temperature", 0.0)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name} applies to beam search only; set use_beam_search=True or leave "
+                                     f"{name} at {default!r}")
+            if self.best_of is not None and self.best_of > self.n and self.output_kind == RequestOutputKind.DELTA:
+                raise ValueError("output_kind DELTA cannot stream best_of > n: which samples are the best "
+                                 "changes as they grow; use CUMULATIVE or FINAL_ONLY")
+            return
+        # Beam search is deterministic: as vLLM's engine did, sampling settings are refused, not ignored.
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0 with use_beam_search=True (beam search does not sample), got "
+                             f"{self.temperature}; beam_search_temperature scales the logits of the beam scores")
+        for name, off in (("top_p", 1.0), ("min_p", 0.0)):
+            if getattr(self, name) != off:
+                raise ValueError(f"{name} must be {off} with use_beam_search=True (beam search does not sample), "
+                                 f"got {getattr(self, name)}")
+        if self.top_k not in (0, -1):
+            raise ValueError(f"top_k must be 0 or -1 with use_beam_search=True (beam search does not sample), "
+                             f"got {self.top_k}")
+        if self.max_tokens is None:
+            raise ValueError("beam search needs max_tokens (prompt-only requests have nothing to search)")
+        if self.output_kind == RequestOutputKind.DELTA:
+            raise ValueError("output_kind DELTA cannot stream beam search: the best beams change and reorder "
+                             "every step; use CUMULATIVE (the current best n each step) or FINAL_ONLY")
+        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                          ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None)):
+            if getattr(self, name) != off:
+                raise ValueError(f"{name} is not supported with use_beam_search=True")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples (or beams) the engine runs for this request: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
 
     def _check_token_lists(self) -> None:
         if self.stop is not None and not all(isinstance(x, str) and x for x in self.stop):
@@ -183,6 +239,11 @@ def _ids(name: str, ids: list, max_len: int | None) -> None:
 
 _TYPES = {
     "n": (int,),
+    "best_of": (int, type(None)),
+    "use_beam_search": (bool,),
+    "length_penalty": (float, int),
+    "early_stopping": (bool, str),
+    "beam_search_temperature": (float, int),
     "temperature": (float, int),
     "top_p": (float, int),
     "top_k": (int,),

@@ -11,6 +11,7 @@ import numpy as np
 from headrace.checkpoint.config import ModelConfig
 from headrace.checkpoint.paths import resolve_model_path
 from headrace.config import CacheConfig, EngineArgs, SchedulerConfig
+from headrace.core.beam import BeamGroup
 from headrace.core.protocol import EngineCoreOutput, pack_floats, pack_ids
 from headrace.core.request import Request, check_prompt
 from headrace.core.scheduler import Scheduler
@@ -18,7 +19,7 @@ from headrace.core.tp import TPExecutor
 from headrace.executor.model_runner import ModelRunner, first_gpu, resolve_device
 from headrace.executor.parallel import check_shardable
 from headrace.metrics.stats import EngineStats
-from headrace.sampling_params import SamplingParams, check_token_ids
+from headrace.sampling_params import RequestOutputKind, SamplingParams, check_token_ids
 
 
 class EngineCore:
@@ -81,7 +82,10 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(64)
         eos = self.model_config.eos_token_ids
-        if sp.n == 1:
+        if sp.use_beam_search:
+            self._add_beam_group(request_id, prompt_token_ids, sp, arrival_time)
+            return
+        if sp.num_samples == 1:
             self.scheduler.add_request(Request(request_id, prompt_token_ids, sp, eos, seed, arrival_time))
             self._families[request_id] = [request_id]
             self.record_stats()
@@ -90,12 +94,12 @@ class EngineCore:
         # first computes the prompt, the others share its KV blocks. Their ids
         # ("id#i") are checked before any is added, so a clash with a live
         # request's id changes nothing.
-        clash = [f"{request_id}#{i}" for i in range(sp.n) if f"{request_id}#{i}" in self.scheduler.requests]
+        clash = [f"{request_id}#{i}" for i in range(sp.num_samples) if f"{request_id}#{i}" in self.scheduler.requests]
         if clash:
             raise ValueError(f"request {request_id!r}: its samples would be addressed as {clash[0]!r}, "
                              f"the id of a live request; use another request id")
         children, leader = [], None
-        for i in range(sp.n):
+        for i in range(sp.num_samples):
             child = Request(f"{request_id}#{i}", prompt_token_ids, sp, eos, _child_seed(seed, i), arrival_time,
                             leader=leader)
             child.parent_id, child.index = request_id, i
@@ -103,6 +107,26 @@ class EngineCore:
             self.scheduler.add_request(child)
             children.append(child.request_id)
         self._families[request_id] = children
+        self.record_stats()
+
+    def _add_beam_group(self, request_id: str, prompt_token_ids: list[int], sp: SamplingParams,
+                        arrival_time: float) -> None:
+        width, sched, bs = sp.num_samples, self.sched_config, self.cache_config.block_size
+        name = f"request {request_id!r}: beam search with best_of={width}"
+        if self.executor.processors:
+            raise ValueError(f"{name}: beam search does not run with the engine's custom logits processors")
+        if width > sched.max_num_seqs or width > sched.max_num_batched_tokens:
+            raise ValueError(f"{name} runs {width} beams in every step, but max_num_seqs={sched.max_num_seqs} and "
+                             f"max_num_batched_tokens={sched.max_num_batched_tokens}")
+        group = BeamGroup(request_id, prompt_token_ids, sp, self.model_config.eos_token_ids, arrival_time,
+                          sched.max_model_len)
+        # The prompt's blocks once, each beam's generated blocks and a partial one of its own.
+        need = -(-len(prompt_token_ids) // bs) + width * (-(-group.max_generated // bs) + 1)
+        if need > self.cache_config.num_blocks:
+            raise ValueError(f"{name} may need {need} KV blocks of {bs} tokens; the pool has "
+                             f"{self.cache_config.num_blocks}: lower best_of or max_tokens")
+        self.scheduler.add_request(group.home)
+        self._families[request_id] = [b.request_id for b in group.beams]
         self.record_stats()
 
     @staticmethod
@@ -199,18 +223,25 @@ class EngineCore:
             req = self.scheduler.requests.get(req_id)
             if req is not None:
                 self._gather_prompt_logprobs(req, plp)
-        updates = self.scheduler.update(sched, result.sampled_token_ids)
+        updates = self.scheduler.update(sched, result.sampled_token_ids, result.beams)
         # A sequence's prompt counts once, with its first token (not again when recomputed after preemption).
+        first = [u for u in updates if (u.group.num_generated == 1 if u.group is not None
+                                        else len(u.req.output_token_ids) == len(u.new_token_ids))]
         self._iteration = (
             sched.total_num_scheduled_tokens,
-            sum(u.req.num_prompt_tokens for u in updates if len(u.req.output_token_ids) == len(u.new_token_ids)),
-            sum(len(u.new_token_ids) for u in updates),
+            sum(u.req.num_prompt_tokens for u in first),
+            sum(len(u.new_token_ids) if u.group is None else u.group.width for u in updates),
         )
         self.executor.remove(self.scheduler.take_left())
         lp = result.logprobs
         outputs = []
         for u in updates:
             req = u.req
+            if u.group is not None:
+                outputs += self._beam_outputs(u)
+                if u.finish_reason is not None:
+                    self._settle(req.request_id)
+                continue
             out = EngineCoreOutput(
                 request_id=req.parent_id or req.request_id,
                 index=req.index,
@@ -222,17 +253,51 @@ class EngineCore:
                 first_token_time=req.first_token_time,
                 finished_time=req.finished_time,
             )
-            if lp is not None and req.sampling_params.num_logprobs is not None:
+            sp = req.sampling_params
+            if lp is not None and sp.num_logprobs is not None:
                 out.logprob_token_ids, out.logprobs, out.sampled_ranks, out.sampled_logprobs = lp.wire(
-                    u.row, 1 + req.sampling_params.num_logprobs)
-            if req.prompt_logprobs and not req.prompt_logprobs_sent:
-                out.prompt_logprob_token_ids = pack_ids(np.concatenate([p.token_ids for p in req.prompt_logprobs]))
-                out.prompt_logprobs = pack_floats(np.concatenate([p.scores for p in req.prompt_logprobs]))
-                out.prompt_ranks = pack_ids(np.concatenate([p.ranks for p in req.prompt_logprobs]))
-                req.prompt_logprobs, req.prompt_logprobs_sent = [], True
+                    u.row, 1 + sp.num_logprobs)
+            if sp.num_samples > sp.n:  # best_of: the frontend returns the n most likely samples
+                req.cumulative_logprob += lp.sampled_logprob(u.row)
+                out.cumulative_logprob = req.cumulative_logprob
+            self._attach_prompt_logprobs(req, out)
             outputs.append(out)
             if u.finish_reason is not None:
                 self._settle(req.request_id)
+        return outputs
+
+    @staticmethod
+    def _attach_prompt_logprobs(req, out: EngineCoreOutput) -> None:
+        if req.prompt_logprobs and not req.prompt_logprobs_sent:
+            out.prompt_logprob_token_ids = pack_ids(np.concatenate([p.token_ids for p in req.prompt_logprobs]))
+            out.prompt_logprobs = pack_floats(np.concatenate([p.scores for p in req.prompt_logprobs]))
+            out.prompt_ranks = pack_ids(np.concatenate([p.ranks for p in req.prompt_logprobs]))
+            req.prompt_logprobs, req.prompt_logprobs_sent = [], True
+
+    def _beam_outputs(self, u) -> list[EngineCoreOutput]:
+        """A beam group's current best n (every step for CUMULATIVE, at its end
+        for FINAL_ONLY), each replacing what its index showed before."""
+        group, home = u.group, u.req
+        sp = group.params
+        final = u.finish_reason is not None
+        if sp.output_kind == RequestOutputKind.FINAL_ONLY and not final:
+            return []
+        outputs = []
+        for i, b in enumerate(group.best(sp.n, final)):
+            out = EngineCoreOutput(
+                request_id=group.request_id, index=i, new_token_ids=pack_ids(b.token_ids), replace=True,
+                cumulative_logprob=b.cumulative, num_cached_tokens=home.num_cached_tokens,
+                first_scheduled_time=home.first_scheduled_time, first_token_time=home.first_token_time,
+                finished_time=home.finished_time)
+            if final:
+                out.finish_reason, out.stop_reason = b.finish_reason or "length", b.stop_reason
+            if b.logprobs is not None:
+                parts = list(zip(*b.logprobs))  # (ids, values, rank, sampled logprob) per position
+                out.logprob_token_ids, out.logprobs, out.sampled_ranks, out.sampled_logprobs = (
+                    b"".join(col) for col in parts) if parts else (b"", b"", b"", b"")
+            if i == 0:
+                self._attach_prompt_logprobs(home, out)
+            outputs.append(out)
         return outputs
 
     def stats(self) -> dict:

@@ -138,17 +138,19 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         return self.pool.lookup(self.block_hashes(req)[:max_blocks])
 
-    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> list[int] | None:
+    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = (),
+                 reserve: int = 0) -> list[int] | None:
         """Give req blocks for num_new_tokens beyond its computed (or cached) ones.
 
         Returns the newly added block ids, or None, changing nothing, when
-        the pool cannot hold them.
+        the pool cannot hold them and `reserve` blocks more (which the caller
+        then takes with pool.allocate).
         """
         num_computed = len(cached_blocks) * self.block_size if cached_blocks else req.num_computed_tokens
         need = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_ids) - len(cached_blocks)
-        if need <= 0 and req.block_ids:  # a running request with room left: most steps
+        if need <= 0 and req.block_ids and not reserve:  # a running request with room left: most steps
             return []
-        if need > self.pool.num_free - self.pool.num_free_among(cached_blocks):
+        if max(need, 0) + reserve > self.pool.num_free - self.pool.num_free_among(cached_blocks):
             return None
         if not req.block_ids and self.enable_prefix_caching:
             # Admission (a running request always holds a block). Counted
@@ -180,6 +182,34 @@ class KVCacheManager:
     def num_registered_blocks(self, req: Request) -> int:
         """req's leading blocks that cache_computed_blocks has registered."""
         return self._num_registered.get(req.request_id, 0)
+
+    def share(self, req: Request, block_ids: list[int], num_shared: int) -> None:
+        """Give req these blocks: the first num_shared held by others too
+        (one more reference each), the rest newly allocated for it."""
+        self.pool.touch(block_ids[:num_shared])
+        req.block_ids = list(block_ids)
+
+    def fork(self, beams: list[Request], parents: list[int], num_tokens: int) -> None:
+        """Beam j now continues beam parents[j]: it takes its parent's blocks
+        holding full blocks of the first num_tokens tokens (references move
+        with them) and keeps its own blocks after those (its copy of a partial
+        block, blocks allocated since)."""
+        full = num_tokens // self.block_size
+        olds = [b.block_ids for b in beams]
+        dropped = []
+        for beam, parent, old in zip(beams, parents, olds):
+            new = olds[parent]
+            if new is old:
+                continue
+            k = 0  # the blocks both hold (the prompt's, those of common ancestors) change nothing
+            while k < full and new[k] == old[k]:
+                k += 1
+            if k == full:
+                continue
+            self.pool.touch(new[k:full])
+            dropped.extend(reversed(old[k:full]))
+            beam.block_ids = new[:full] + old[full:]
+        self.pool.free(dropped)
 
     def free(self, req: Request) -> None:
         self.pool.free(list(reversed(req.block_ids)))

@@ -15,7 +15,7 @@ import numpy as np
 
 from headrace.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 _INT32 = struct.Struct("<i")
@@ -130,11 +130,17 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: bytes = b""  # float32 [num_prompt - 1, 1 + k]
     prompt_ranks: bytes = b""  # int32 [num_prompt - 1]
     finish_reason: str | None = None  # "stop", "length", "abort"
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None  # a stop token id (or, for beam search, a stop string)
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Beam search: the token ids and logprobs are the sample's whole output,
+    # which replaces what came before (the best beams change as they fork).
+    replace: bool = False
+    # Beam search and best_of > n: the sample's cumulative score so far, by
+    # which the frontend ranks best_of's samples.
+    cumulative_logprob: float | None = None
 
 
 class StepOutputs(_Msg, tag="outputs"):

@@ -75,7 +75,8 @@ class Request:
         self.seed = seed  # the sampler's random source is keyed by (seed, position)
         self.leader = leader  # for the 2nd..nth samples of one prompt (n > 1): the first
         self.parent_id: str | None = None  # the id given to the engine, for samples of n > 1
-        self.index = 0  # which sample of its request
+        self.index = 0  # which sample of its request (or which beam)
+        self.group = None  # the BeamGroup of a beam-search request's beams (core/beam.py)
         # prompt logprobs gathered over prefill chunks until the first output carries them
         self.prompt_logprobs: list = []
         self.num_prompt_logprobs = 0  # prompt positions gathered (a recompute after preemption skips them)
@@ -87,6 +88,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens sampled by queued steps, not yet read back
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.cumulative_logprob = 0.0  # kept for best_of > n, which ranks samples by it
         self.num_preemptions = 0
         self.block_ids: list[int] = []
         self.stop_reason: int | None = None

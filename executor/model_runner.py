@@ -12,7 +12,9 @@ from headrace import envs
 from headrace.checkpoint import ConfigError
 from headrace.checkpoint.config import ModelConfig
 from headrace.config import EngineArgs, SchedulerConfig
+from headrace.executor import beam
 from headrace.executor.attention import AttentionMetadata
+from headrace.executor.beam import BeamState
 from headrace.executor.cuda_graphs import StepGraphs, clear_cublas_workspaces
 from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.logits_processors import load_logits_processors
@@ -22,7 +24,7 @@ from headrace.executor.sampler import SampledLogprobs, sample
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
-from headrace.step import SchedulerOutput
+from headrace.step import BeamCandidates, SchedulerOutput
 
 
 @dataclass
@@ -45,6 +47,7 @@ class PendingOutput:
     sampled: torch.Tensor  # [num_rows] int64, host copy (valid after `ready`)
     logprobs: tuple[torch.Tensor, torch.Tensor] | None  # host copies of the packed logprobs
     prompt_logprobs: dict[str, tuple]  # request id -> (start, token ids, scores, ranks), host copies
+    beams: tuple | None = None  # host copies of beam.select()'s candidates (and their logprobs)
     ready: torch.cuda.Event | None = None  # passed when the host copies are done (None on the CPU)
 
 
@@ -54,6 +57,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]  # batch row -> sampled token (meaningless for prefill-chunk rows)
     logprobs: SampledLogprobs | None
     prompt_logprobs: dict[str, PromptLogprobs]  # request id -> this step's prompt positions
+    beams: BeamCandidates | None = None  # the beam groups' candidates, in the step's beam_selects order
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
@@ -133,7 +137,7 @@ class ModelRunner:
 
     def _build(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs, tp: TPGroup) -> None:
         self.closed = False
-        self.model = self.graphs = None
+        self.model = self.graphs = self.kv = None
         self.kv_caches = []
         self.states = None
         self.processors = []
@@ -151,16 +155,20 @@ class ModelRunner:
         self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len, tp)
         self.num_kv_heads = local_kv_heads(model_cfg, tp)[1]  # this rank's
         self.num_blocks = tp.min_int(self._num_blocks(model_cfg, sched_cfg, args), self.device)  # ranks agree
-        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, model_cfg.head_dim)
-        self.kv_caches = []
-        for layer in self.model.attention_layers():
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.kv_caches.append(layer.kv_cache)
+        layers = self.model.attention_layers()
+        # One tensor for every layer's cache, so that a beam fork copies a
+        # block of all layers in one operation.
+        self.kv = torch.zeros((len(layers), 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                               model_cfg.head_dim), dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv.unbind(0))
+        for layer, cache in zip(layers, self.kv_caches):
+            layer.kv_cache = cache
         max_blocks_per_req = -(-sched_cfg.max_model_len // self.block_size)
         sampling = SamplingState(sched_cfg.max_num_seqs, model_cfg.vocab_size, model_cfg.eos_token_ids,
                                  args.logprobs_mode == "processed", self.device)
         self.states = RequestStates(sched_cfg.max_num_seqs, sched_cfg.max_model_len, max_blocks_per_req,
                                     self.device, sampling)
+        self.beam = BeamState(sched_cfg.max_num_seqs, self.device)
         self.processors = [make(model_cfg.vocab_size, self.device) for make in load_logits_processors(args)]
         self.graphs = None
         if self.device.type == "cuda" and not args.enforce_eager:
@@ -177,7 +185,7 @@ class ModelRunner:
         if self.closed:
             return
         self.closed = True
-        self.model = self.graphs = None
+        self.model = self.graphs = self.kv = self.beam = None
         self.kv_caches = []
         if self.states is not None:
             self.states.drop_device_tensors()
@@ -290,9 +298,15 @@ class ModelRunner:
             slot = states.add(new)
             for proc in self.processors:
                 proc.add_request(slot, new.sampling_params, new.token_ids[: new.num_prompt_tokens])
+            if new.sampling_params.use_beam_search:
+                self.beam.add(slot, new)
         for cached in sched.cached_reqs:
             states.update(cached)
         states.apply_staged()
+        self.beam.apply_staged()
+        if sched.beam_forks:
+            beam.fork(sched.beam_forks, states.req_to_slot, self.beam, states.token_ids.gpu, states.block_table.gpu,
+                      self.kv, self.block_size)
 
         batch = prepare_inputs(states, sched.num_scheduled_tokens, self.block_size, self.device)
         if self.graphs is not None and self.graphs.fits(batch):
@@ -301,6 +315,7 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled, logprobs = sample(logits, batch, states, self.processors)
+        beams = beam.select_step(logits, batch, states, self.beam, sched.beam_selects) if sched.beam_selects else None
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         self._advance(batch, sampled)
         pending = PendingOutput(
@@ -310,6 +325,7 @@ class ModelRunner:
             sampled=_to_host(sampled),
             logprobs=None if logprobs is None else tuple(map(_to_host, logprobs)),
             prompt_logprobs={rid: (start, *map(_to_host, arrays)) for rid, (start, *arrays) in prompt_logprobs.items()},
+            beams=None if beams is None else tuple(None if t is None else _to_host(t) for t in beams),
         )
         if self.device.type == "cuda":
             pending.ready = torch.cuda.Event()
@@ -330,7 +346,12 @@ class ModelRunner:
             logprobs = SampledLogprobs(*(t.numpy() for t in pending.logprobs))
         prompt_logprobs = {rid: PromptLogprobs(start, ids.numpy(), scores.numpy(), ranks.numpy())
                            for rid, (start, ids, scores, ranks) in pending.prompt_logprobs.items()}
-        return ModelRunnerOutput(pending.req_ids, sampled, logprobs, prompt_logprobs)
+        beams = None
+        if pending.beams is not None:
+            scores, parents, tokens, lp_ints, lp_floats = (None if t is None else t.numpy() for t in pending.beams)
+            beams = BeamCandidates(scores, parents.astype(np.int32), tokens.astype(np.int32),
+                                   None if lp_ints is None else SampledLogprobs(lp_ints, lp_floats))
+        return ModelRunnerOutput(pending.req_ids, sampled, logprobs, prompt_logprobs, beams)
 
     def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> dict[str, tuple]:
         """Scores of the prompt tokens this step's chunks predict, for requests

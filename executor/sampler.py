@@ -28,7 +28,7 @@ from headrace.kernels.logprobs import ACT_LOG_SOFTMAX
 
 
 class SampledLogprobs:
-    """The step's logprobs as _logprobs packs them: per row, K columns (the
+    """The step's logprobs as pack_logprobs packs them: per row, K columns (the
     sampled token first, then the top-N or the chosen ids; a row uses its
     first k_row) and one more, the sampled token's rank or log_softmax
     (cumulative_logprob sums the latter whatever act_func says)."""
@@ -38,6 +38,10 @@ class SampledLogprobs:
         self.floats = floats.astype("<f4", copy=False)  # [num_rows, K + 1] scores after act_func, then log_softmax
         self._int_bytes, self._float_bytes = self.ints.tobytes(), self.floats.tobytes()
         self._row_bytes = 4 * self.ints.shape[1]
+
+    def sampled_logprob(self, row: int) -> float:
+        """Row `row`'s sampled token's log_softmax."""
+        return float(self.floats[row, -1])
 
     def wire(self, row: int, k: int) -> tuple[bytes, bytes, bytes, bytes]:
         """Row `row`'s first k ids and scores, its rank and sampled logprob, as the
@@ -92,7 +96,7 @@ def sample(
             sampled = torch.where(greedy, processed.argmax(dim=-1), sampled)
     if not wants_logprobs.any():
         return sampled, None
-    return sampled, _logprobs(logits, final, sampled, slots, idx, st)
+    return sampled, pack_logprobs(logits, final, sampled, slots, idx, st)
 
 
 def _has_filters(slots, st: SamplingState) -> bool:
@@ -208,7 +212,7 @@ def _apply_filters(scaled: torch.Tensor, slots, idx, st: SamplingState) -> torch
     return scaled
 
 
-def _logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob columns without a [rows, vocab] logprob tensor: a log-sum-exp
     per row, then gathers."""
     dev = raw.device

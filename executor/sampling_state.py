@@ -85,7 +85,9 @@ class SamplingState:
             self.stop_ids.stage(slot, stops)
         else:
             self.num_stop_ids.stage(slot, 0)
-        self.num_logprobs.stage(slot, -1 if sp.num_logprobs is None else sp.num_logprobs)
+        # best_of > n ranks its samples by cumulative logprob: the sampled token's is needed.
+        ranked = sp.num_samples > sp.n and not sp.use_beam_search
+        self.num_logprobs.stage(slot, sp.num_logprobs if sp.num_logprobs is not None else 0 if ranked else -1)
         self.num_lp_ids.stage(slot, len(sp.logprob_token_ids or ()))
         if sp.logprob_token_ids:
             self.lp_ids.stage(slot, sp.logprob_token_ids)
