@@ -149,7 +149,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             raise ValueError("output_kind DELTA cannot stream beam search: the best beams change and reorder "
                              "every step; use CUMULATIVE (the current best n each step) or FINAL_ONLY")
         for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                          ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None)):
+                          ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None), ("stop", None)):
             if getattr(self, name) != off:
                 raise ValueError(f"{name} is not supported with use_beam_search=True")
 
@@ -271,3 +271,27 @@ _TYPES = {
     "extra_args": (dict, type(None)),
     "bad_words_token_ids": (list, type(None)),
 }
+
+
+class BeamSearchParams(msgspec.Struct, kw_only=True, frozen=True):
+    """LLM.beam_search's parameters (vLLM's names): beam search of beam_width
+    beams, every beam returned. temperature divides the logits before the
+    beam scores (0: not at all)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        """The same search as SamplingParams (raises ValueError naming a bad field)."""
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool):
+            raise ValueError(f"beam_width must be an integer, got {self.beam_width!r}")
+        _range("beam_width", self.beam_width, 1, MAX_BEST_OF)
+        return SamplingParams(
+            n=self.beam_width, best_of=self.beam_width, use_beam_search=True, temperature=0.0,
+            beam_search_temperature=self.temperature, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output,
+            output_kind=RequestOutputKind.FINAL_ONLY)

@@ -133,3 +133,23 @@ class RequestOutput:
     # Prompt tokens the core found in its prefix cache when it first scheduled
     # the request (with n > 1, its first sample); None before the core said.
     num_cached_tokens: int | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of LLM.beam_search (vLLM's shape): tokens are the prompt's
+    and the generated ones; text is the generated text."""
+
+    tokens: list[int]
+    logprobs: SampleLogprobs | None
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """LLM.beam_search's result for one prompt: its beams, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -189,8 +189,22 @@ class Scheduler:
     # ---- beam groups (core/beam.py) ----
 
     def _schedule_group(self, out: ScheduledStep, group: BeamGroup, budget: int) -> int | None:
-        """Schedule a running group's beams; returns the tokens used, or None
-        if the group had to be preempted."""
+        """Schedule a running group's beams, all or none; returns the tokens
+        used, or None if the group had to be preempted (and then nothing of
+        it is in the step)."""
+        mark = (len(out.new_reqs), len(out.cached_reqs), len(out.reqs), len(out.beam_forks))
+        used = self._schedule_beams(out, group, budget)
+        if used is None:
+            new, cached, rows, forks = mark
+            for req in out.reqs[rows:]:
+                del out.num_scheduled_tokens[req.request_id]
+            del out.new_reqs[new:], out.cached_reqs[cached:], out.reqs[rows:], out.samples[rows:]
+            del out.beam_forks[forks:]
+            if out.groups and out.groups[-1] is group:
+                del out.groups[-1], out.fork_lens[-1], out.beam_selects[-1]
+        return used
+
+    def _schedule_beams(self, out: ScheduledStep, group: BeamGroup, budget: int) -> int | None:
         home, beams = group.home, group.beams
         if not group.expanded:  # beam 0 computes the prompt
             if home.num_pending:

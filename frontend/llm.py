@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry
 from tqdm.auto import tqdm
 
 from headrace.config import EngineArgs
-from headrace.core.outputs import RequestOutput
+from headrace.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from headrace.frontend.async_engine import AsyncEngine, Prompt, new_event_loop
 from headrace.frontend.core_process import private_ipc_address, remove_private_ipc
 from headrace.metrics.exporter import MetricsServer, check_metrics_options
-from headrace.sampling_params import RequestOutputKind, SamplingParams
+from headrace.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("headrace.frontend")
 
@@ -129,6 +129,19 @@ class LLM:
         inputs = [self._frontend.tokenize(p, i) for i, p in enumerate(prompts)]
         final = [msgspec.structs.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         return self._call(self._run(inputs, final, use_tqdm))
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's LLM.beam_search): the same
+        search as generate() with SamplingParams(use_beam_search=True,
+        best_of=n=beam_width), run inside the engine; every beam comes back,
+        best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        outs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
+        return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.logprobs,
+                                                     c.cumulative_logprob, c.text, c.finish_reason, c.stop_reason)
+                                  for c in o.outputs]) for o in outs]
 
     async def _run(self, inputs, params, use_tqdm: bool) -> list[RequestOutput]:
         frontend = self._frontend

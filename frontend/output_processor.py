@@ -98,9 +98,11 @@ class _Sample:
     def __init__(self, index: int, params: SamplingParams, tokenizer, token_text: TokenText) -> None:
         self.index = index
         self.params = params
+        self._tokenizer, self._token_text = tokenizer, token_text
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         ranked = params.logprob_token_ids is None  # requested ids have no rank, top-N their place
         self._logprobs = _LogprobRows(ranked, token_text) if params.num_logprobs is not None else None
+        self._cumulative: float | None = None  # the core's figure (beam search, best_of), when it sends one
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stopped_by_string = False  # the frontend ended it; the core must be told to abort
@@ -122,6 +124,13 @@ class _Sample:
         return self.detok.token_ids  # the detokenizer keeps the ids it decodes
 
     def process(self, out: EngineCoreOutput) -> None:
+        if out.cumulative_logprob is not None:
+            self._cumulative = out.cumulative_logprob
+        if out.replace:  # beam search: a whole new sequence (a beam's, which the core ended itself)
+            self.detok = IncrementalDetokenizer(self._tokenizer, self.params.skip_special_tokens)
+            if self._logprobs is not None:
+                self._logprobs = _LogprobRows(self.params.logprob_token_ids is None, self._token_text)
+            self.sent_text = self.sent_tokens = 0
         if self._logprobs is not None and out.logprobs:
             self._logprobs.add(out)
         before = len(self.detok.text)
@@ -129,7 +138,7 @@ class _Sample:
         if out.finish_reason is not None:
             self.detok.flush()
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-        if self._stops:
+        if self._stops and not out.replace:
             self._check_stop_strings(before)
 
     def _check_stop_strings(self, before: int) -> None:
@@ -154,6 +163,8 @@ class _Sample:
 
     @property
     def cumulative_logprob(self) -> float | None:
+        if self._cumulative is not None:
+            return self._cumulative
         return self._logprobs.cumulative if self._logprobs is not None else None
 
     def has_news(self) -> bool:
@@ -180,7 +191,7 @@ class _Sample:
             index=self.index,
             text=text_out,
             token_ids=ids_out,
-            cumulative_logprob=lp.cumulative if lp is not None else None,
+            cumulative_logprob=self.cumulative_logprob,
             logprobs=lps_out,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
@@ -207,7 +218,10 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.kind = params.output_kind
-        self.samples = [_Sample(i, params, tokenizer, token_text) for i in range(params.n)]
+        # best_of > n: best_of samples, of which the n with the highest
+        # cumulative logprob are shown; beam search: the core sends its best n.
+        num = params.n if params.use_beam_search else params.num_samples
+        self.samples = [_Sample(i, params, tokenizer, token_text) for i in range(num)]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_logprobs: Logprobs | None = None
         self.num_cached_tokens: int | None = None  # prompt tokens the core's prefix cache served
@@ -216,7 +230,7 @@ class RequestState:
         self.stats: FrontendStats | None = None  # where request-level metrics go, if anywhere
         self.core = 0  # which of the frontend's cores serves it (data parallel)
         self.error: BaseException | None = None  # raised to the consumer once its outputs are taken
-        self._num_unfinished = params.n
+        self._num_unfinished = num
         self._final_sent = False
         self._waiter: asyncio.Future | None = None
 
@@ -269,7 +283,7 @@ class RequestState:
         if out.prompt_ranks and self.prompt_logprobs is None:
             self._add_prompt_logprobs(out)
         if sample.stopped_by_string:
-            self.stopped_by_string.append(self.request_id if self.params.n == 1 else f"{self.request_id}#{out.index}")
+            self.stopped_by_string.append(self.request_id if len(self.samples) == 1 else f"{self.request_id}#{out.index}")
         m.first_scheduled_time = m.first_scheduled_time or out.first_scheduled_time
         m.first_token_time = m.first_token_time or out.first_token_time
         if sample.finished:
@@ -321,6 +335,14 @@ class RequestState:
             return self.finished and self.error is None and not self._final_sent
         return not self._final_sent and any(s.has_news() for s in self.samples)
 
+    def _shown(self) -> list[_Sample]:
+        """The samples an output shows: all, or for best_of > n the n with the
+        highest cumulative logprob so far (a stable order: ties by index)."""
+        n = self.params.n
+        if len(self.samples) == n:
+            return self.samples
+        return sorted(self.samples, key=lambda s: -(s.cumulative_logprob or 0.0))[:n]
+
     def output(self) -> RequestOutput | None:
         """Everything new since the last output, as output_kind says; None if nothing is."""
         if self.error is not None and self.kind == RequestOutputKind.FINAL_ONLY:
@@ -329,7 +351,10 @@ class RequestState:
             return None
         finished = self.finished and self.error is None
         kind = RequestOutputKind.CUMULATIVE if self.kind == RequestOutputKind.FINAL_ONLY else self.kind
-        completions = [c for s in self.samples if (c := s.completion(kind)) is not None]
+        completions = [c for s in self._shown() if (c := s.completion(kind)) is not None]
+        if len(completions) < len(self.samples):  # best_of: the n best, in order
+            for rank, c in enumerate(completions):
+                c.index = rank
         if not completions and not finished:
             return None
         self._final_sent = finished
