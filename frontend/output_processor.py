@@ -351,10 +351,13 @@ class RequestState:
             return None
         finished = self.finished and self.error is None
         kind = RequestOutputKind.CUMULATIVE if self.kind == RequestOutputKind.FINAL_ONLY else self.kind
-        completions = [c for s in self._shown() if (c := s.completion(kind)) is not None]
-        if len(completions) < len(self.samples):  # best_of: the n best, in order
-            for rank, c in enumerate(completions):
-                c.index = rank
+        completions = []
+        ranked = len(self.samples) > self.params.n  # best_of > n: the n best, indexed by rank
+        for rank, s in enumerate(self._shown()):
+            c = s.completion(kind)
+            if c is not None:
+                c.index = rank if ranked else c.index
+                completions.append(c)
         if not completions and not finished:
             return None
         self._final_sent = finished

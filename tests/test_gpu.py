@@ -236,3 +236,22 @@ def test_async_engine_aclose_frees_the_spawned_cores_gpu_memory(checkpoint):
     assert free_running < free_before - 4 * 2**30  # the core's memory shows from this process
     free_after, _ = torch.cuda.mem_get_info()
     assert free_after >= free_before - 64 * MiB
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(),
+    dict(max_model_len=128, block_size=8, num_kv_blocks=40, max_num_batched_tokens=16),  # chunks, preemption
+])
+def test_float32_beam_search_matches_transformers(arch, engine_kwargs, checkpoint, hf_model):
+    """Selection and forking on the device, with CUDA graphs, against transformers' beam search."""
+    from tests.test_beam_search import beam_params, check_beams, hf_beams
+
+    path = checkpoint(arch)
+    llm = LLM(path, device="cuda", dtype="float32", **{"max_model_len": 256, **engine_kwargs})
+    prompts = prompts_of_lengths(llm.engine.model_config.vocab_size, [40, 45, 50, 30, 60, 35], seed=23)
+    params = [beam_params(w, n, lp) for w, n, lp in ((4, 4, 1.0), (2, 1, 0.0), (4, 2, 2.0))] * 2
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    model = hf_model(path)
+    for prompt, sp, out in zip(prompts, params, outs):
+        check_beams(out, hf_beams(model, prompt, sp, eos=None), sp, eos=None)

@@ -191,6 +191,34 @@ def test_n_samples_are_seeded_and_indexed(client, model_name):
     assert [streamed[i] for i in range(6)] == [c.text for c in a.choices]
 
 
+def hf_beam_search(model, ids, width, n, max_new_tokens):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), num_beams=width, num_return_sequences=n, do_sample=False,
+                             max_new_tokens=max_new_tokens, attention_mask=None)
+    return [seq[len(ids):].tolist() for seq in out]
+
+
+def test_beam_search_and_best_of_as_extra_fields(client, model_name, tok, path, hf_model):
+    model = hf_model(path)
+    ids = tok.encode(PROMPTS[0])
+    r = client.completions.create(model=model_name, prompt=ids, max_tokens=8, n=2,
+                                  extra_body={"use_beam_search": True, "best_of": 3, "length_penalty": 1.0,
+                                              "early_stopping": False})
+    ref = hf_beam_search(model, ids, 3, 2, 8)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [tok.decode(g, skip_special_tokens=True) for g in ref]
+    chat_ids_ = chat_ids(tok, CHAT)
+    r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6,
+                                       extra_body={"use_beam_search": True, "best_of": 2})
+    assert r.choices[0].message.content == tok.decode(hf_beam_search(model, chat_ids_, 2, 1, 6)[0],
+                                                      skip_special_tokens=True)
+    # best_of without beam search: n of best_of seeded samples, the most likely first
+    r = client.completions.create(model=model_name, prompt=ids, max_tokens=6, n=2, seed=3, temperature=1.0,
+                                  logprobs=0, extra_body={"best_of": 4})
+    sums = [sum(c.logprobs.token_logprobs) for c in r.choices]
+    assert len(r.choices) == 2 and sums == sorted(sums, reverse=True)
+
+
 def test_extra_body_fields_reach_the_engine(client, model_name, tok, path, hf_model):
     ids, gen, ref = chat_reference(tok, hf_model(path), 8)
     # top_k=1 samples greedily at any temperature; logprob_token_ids scores chosen ids at each position
@@ -248,6 +276,10 @@ BAD = [
     (dict(logit_bias={"five": 1}), "logit_bias"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(extra_body={"beam_width": 2}), "beam_width"),
+    (dict(n=3, extra_body={"best_of": 2}), "best_of"),
+    (dict(stream=True, extra_body={"use_beam_search": True, "best_of": 2}), "use_beam_search"),
+    (dict(extra_body={"use_beam_search": True, "early_stopping": "soon"}), "early_stopping"),
+    (dict(extra_body={"length_penalty": 2.0}), "length_penalty"),
     (dict(extra_body={"act_func": "tanh"}), "act_func"),
     (dict(extra_body={"top_k": "x"}), "top_k"),
 ]

@@ -46,6 +46,10 @@ class _Generation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float | None = None  # 0.0
     logit_bias: dict[str, float] | None = None
     # headrace's own (vLLM's names), as extra body fields
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -78,8 +82,15 @@ class _Generation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.act_func is not None and self.activation_func is not None and self.act_func != self.activation_func:
             raise APIError(f"act_func={self.act_func!r} contradicts activation_func={self.activation_func!r}",
                            param="activation_func")
+        if self.stream and (self.use_beam_search or self.best_of is not None and self.best_of > _or(self.n, 1)):
+            field = "use_beam_search" if self.use_beam_search else "best_of"
+            raise APIError(f"stream=true cannot be used with {field}: the best sequences change as they grow; "
+                           f"ask without stream", param=field)
         fields = dict(
-            n=_or(self.n, 1), temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0), top_k=self.top_k,
+            n=_or(self.n, 1), best_of=self.best_of, use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            # beam search does not sample: an unset temperature is 0 for it
+            temperature=_or(self.temperature, 0.0 if self.use_beam_search else 1.0), top_p=_or(self.top_p, 1.0), top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, presence_penalty=_or(self.presence_penalty, 0.0),
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             repetition_penalty=self.repetition_penalty, logit_bias=bias, allowed_token_ids=self.allowed_token_ids,
