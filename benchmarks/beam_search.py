@@ -124,11 +124,7 @@ def run_peer(model_dir: str, prompts, width: int, output_len: int, device: str, 
     if tuple(out.shape) != (len(prompts) * width, ids.shape[1] + output_len):
         raise RuntimeError(f"transformers returned {tuple(out.shape)}, not {len(prompts) * width} sequences "
                            f"of {ids.shape[1] + output_len} tokens")
-    del model, out
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return elapsed
+    return elapsed  # the model goes with this frame; the caller empties the CUDA cache
 
 
 def main() -> None:
@@ -246,6 +242,10 @@ def main() -> None:
         print(f"transformers beam search: {len(sub)} prompts in one batch in {peer:.2f} s = {len(sub) / peer:.3f} req/s"
               + (f"; headrace {num / b['wall'] / (len(sub) / peer):.1f}x" if b is not None else ""))
         result.update(hf_prompts=len(sub), hf_wall_s=peer, hf_req_s=len(sub) / peer)
+    finally:
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
 
 

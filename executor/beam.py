@@ -16,6 +16,7 @@ from headrace.executor.input_batch import InputBatch
 from headrace.executor.sampler import pack_logprobs
 from headrace.executor.staged import StagedTensor, upload
 from headrace.executor.states import RequestStates
+from headrace.kernels import dispatch
 from headrace.sampling_params import MAX_BEST_OF
 from headrace.step import BeamFork, BeamSelect, NewRequestData
 
@@ -109,9 +110,12 @@ def select(logits: torch.Tensor, row_of: dict[str, int], slot_of: dict[str, int]
     homes_t, k_t = meta[3 * R : 3 * R + G], meta[3 * R + G : 3 * R + 2 * G]
     stops_t = meta[3 * R + 2 * G :].view(G, s_max)
 
-    x = logits[rows_t]  # [R, vocab]
+    every_row = rows == list(range(logits.shape[0]))  # a batch of beams alone: no gather
+    x = logits if every_row else logits[rows_t]  # [R, vocab]
     if scale is not None:
         x = x / scale[rows_t][:, None]
+    elif every_row and mask is not None:
+        x = x.clone()  # the logits stay unmasked for the logprobs
     lse = torch.logsumexp(x, dim=-1)  # scores are log_softmax values, not renormalized after masking
     if mask is not None:
         x[upload(mask[0], dev), upload(mask[1], dev)] = float("-inf")
@@ -158,8 +162,10 @@ def fork(forks: list[BeamFork], slot_of: dict[str, int], beam: BeamState, token_
             lens.append(f.num_tokens)
             bases.append(base)
     F = len(dst)
-    meta = upload(np.array([*dst, *homes, *js, *lens, *bases], dtype=np.int64), dev)
+    starts = sorted(set(bases)) + [F]
+    meta = upload(np.array([*dst, *homes, *js, *lens, *bases, *starts], dtype=np.int64), dev)
     dst_t, homes_t, js_t, lens_t, bases_t = (meta[i * F : (i + 1) * F] for i in range(5))
+    starts_t = meta[5 * F :]
     src_t = dst_t[bases_t + beam.plan_parent[homes_t, js_t]]
 
     l_max = max(lens)
@@ -175,9 +181,8 @@ def fork(forks: list[BeamFork], slot_of: dict[str, int], beam: BeamState, token_
         cols = torch.arange(c_max, device=dev)[None, :]
         moved = block_table[src_t, :c_max]
         block_table[dst_t, :c_max] = torch.where(cols < full_t[:, None], moved, block_table[dst_t, :c_max])
-    partial = [i for i, n in enumerate(lens) if n % block_size]
-    if partial:
-        p = upload(np.array(partial, dtype=np.int64), dev)
-        src_block = block_table[src_t[p], full_t[p]].long()
-        dst_block = block_table[dst_t[p], full_t[p]].long()
-        kv[:, :, dst_block] = kv[:, :, src_block]
+    if any(n % block_size for n in lens):  # partial blocks: each child copies its parent's (a beam that
+        # continues itself keeps its own)
+        num = torch.where(src_t != dst_t, lens_t % block_size, 0)
+        dispatch.copy_partial_blocks(kv, block_table[src_t, full_t].long(), block_table[dst_t, full_t].long(), num,
+                                     starts_t, max(len(f.beam_ids) for f in forks))

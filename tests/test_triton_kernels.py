@@ -192,3 +192,33 @@ def test_gumbel_sample_all_banned_row_is_token_0():
     seeds, positions = torch.tensor([3, 4]), torch.tensor([5, 6])
     got = gumbel_sample(*(t.to(DEVICE) for t in (logits, seeds, positions))).cpu()
     assert got.tolist() == gumbel_sample_ref(logits, seeds, positions).tolist() == [0, 1234]
+
+
+@pytest.mark.parametrize("widths, block_size, heads, head_dim", [
+    ([1], 4, 1, 8), ([2, 4], 8, 2, 16), ([4, 3, 1], 16, 2, 64), ([8], 16, 1, 32), ([5, 2], 4, 3, 24),
+])
+def test_copy_partial_blocks_matches_reference(widths, block_size, heads, head_dim):
+    """Forks within groups where a beam is both a parent and a child: the
+    kernel equals the reference, which reads everything before writing."""
+    from headrace.kernels.beam import copy_partial_blocks, copy_partial_blocks_ref
+
+    g = _gen(len(widths), block_size, head_dim)
+    num_blocks = 2 * sum(widths) + 3
+    kv = torch.randn(3, 2, num_blocks, block_size, heads, head_dim, generator=g)
+    blocks = torch.randperm(num_blocks, generator=g)[: sum(widths)]  # each beam's own partial block
+    src, dst, num, starts = [], [], [], [0]
+    for w in widths:
+        first = starts[-1]
+        parents = torch.randint(0, w, (w,), generator=g).tolist()
+        n = int(torch.randint(1, block_size, (1,), generator=g))
+        for j, p in enumerate(parents):
+            src.append(int(blocks[first + p]))
+            dst.append(int(blocks[first + j]))
+            num.append(0 if p == j else n)
+        starts.append(first + w)
+    args = [torch.tensor(x, dtype=torch.int64, device=DEVICE) for x in (src, dst, num, starts)]
+    want, got = kv.clone().to(DEVICE), kv.clone().to(DEVICE)
+    copy_partial_blocks_ref(want, *args, max(widths))
+    copy_partial_blocks(got, *args, max(widths))
+    assert torch.equal(got, want)
+    assert not torch.equal(want.cpu(), kv) or all(n == 0 for n in num)
