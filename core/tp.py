@@ -130,7 +130,8 @@ class TPExecutor:
         for new in sched.new_reqs:
             self.states.req_to_slot[new.req_id] = -1
         self._send_all(Execute(finished=sorted(sched.finished_req_ids), new=sched.new_reqs, cached=sched.cached_reqs,
-                               num_scheduled=sched.num_scheduled_tokens))
+                               num_scheduled=sched.num_scheduled_tokens, beam_forks=sched.beam_forks,
+                               beam_selects=sched.beam_selects))
 
     def collect(self, pending: None):
         self.check_open()

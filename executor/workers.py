@@ -16,7 +16,7 @@ import numpy as np
 
 from headrace.checkpoint.config import ModelConfig
 from headrace.config import EngineArgs, SchedulerConfig
-from headrace.step import CachedRequestData, NewRequestData, SchedulerOutput
+from headrace.step import BeamCandidates, BeamFork, BeamSelect, CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class _Msg(msgspec.Struct, tag_field="t", kw_only=True):
@@ -34,6 +34,8 @@ class Execute(_Msg, tag="exec"):
     new: list[NewRequestData]
     cached: list[CachedRequestData]
     num_scheduled: dict[str, int]  # request id -> tokens, in batch order
+    beam_forks: list[BeamFork] = []
+    beam_selects: list[BeamSelect] = []
 
 
 class Collect(_Msg, tag="collect"):
@@ -69,6 +71,13 @@ class StepResult(_Msg, tag="result"):
     lp_floats: bytes = b""  # float32 [rows, lp_cols]
     lp_cols: int = 0  # 0: no logprobs this step
     prompt: list[PromptPart] = []
+    # beam candidates: float32 scores, int32 parents and tokens [groups, beam_k]; their logprobs (lp_cols wide)
+    beam_k: int = 0
+    beam_scores: bytes = b""
+    beam_parents: bytes = b""
+    beam_tokens: bytes = b""
+    beam_lp_ints: bytes = b""
+    beam_lp_floats: bytes = b""
 
 
 class WorkerError(_Msg, tag="error"):
@@ -109,7 +118,8 @@ class Worker:
         runner = self.runner
         if isinstance(msg, Execute):
             sched = SchedulerOutput(new_reqs=msg.new, cached_reqs=msg.cached, num_scheduled_tokens=msg.num_scheduled,
-                                    finished_req_ids=set(msg.finished))
+                                    finished_req_ids=set(msg.finished), beam_forks=msg.beam_forks,
+                                    beam_selects=msg.beam_selects)
             self.pending.append(runner.execute(sched))
         elif isinstance(msg, Collect):
             out = runner.collect(self.pending.popleft())
@@ -128,6 +138,12 @@ def pack_result(out) -> StepResult:
     if out.logprobs is not None:
         r.lp_ints, r.lp_floats, r.lp_cols = out.logprobs.ints.tobytes(), out.logprobs.floats.tobytes(), \
             out.logprobs.ints.shape[1]
+    b = out.beams
+    if b is not None:
+        r.beam_k, r.beam_scores, r.beam_parents, r.beam_tokens = b.scores.shape[1], b.scores.astype("<f4").tobytes(), \
+            b.parents.astype("<i4").tobytes(), b.tokens.astype("<i4").tobytes()
+        if b.logprobs is not None:
+            r.beam_lp_ints, r.beam_lp_floats = b.logprobs.ints.tobytes(), b.logprobs.floats.tobytes()
     r.prompt = [PromptPart(rid, p.start, p.token_ids.shape[1], p.token_ids.astype("<i8").tobytes(),
                            p.scores.astype("<f4").tobytes(), p.ranks.astype("<i8").tobytes())
                 for rid, p in out.prompt_logprobs.items()]
@@ -146,4 +162,15 @@ def unpack_result(r: StepResult):
     prompt = {p.req_id: PromptLogprobs(p.start, np.frombuffer(p.token_ids, "<i8").reshape(-1, p.cols),
                                        np.frombuffer(p.scores, "<f4").reshape(-1, p.cols),
                                        np.frombuffer(p.ranks, "<i8")) for p in r.prompt}
-    return ModelRunnerOutput(r.req_ids, r.sampled, logprobs, prompt)
+    beams = None
+    if r.beam_k:
+        shape = (-1, r.beam_k)
+        beam_lp = None
+        if r.beam_lp_ints:
+            cols = len(r.beam_lp_ints) // 4 // (len(r.beam_tokens) // 4)
+            beam_lp = SampledLogprobs(np.frombuffer(r.beam_lp_ints, "<i4").reshape(-1, cols),
+                                      np.frombuffer(r.beam_lp_floats, "<f4").reshape(-1, cols))
+        beams = BeamCandidates(np.frombuffer(r.beam_scores, "<f4").reshape(shape),
+                               np.frombuffer(r.beam_parents, "<i4").reshape(shape),
+                               np.frombuffer(r.beam_tokens, "<i4").reshape(shape), beam_lp)
+    return ModelRunnerOutput(r.req_ids, r.sampled, logprobs, prompt, beams)

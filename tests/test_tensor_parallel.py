@@ -65,6 +65,21 @@ def test_seeded_sampling_and_preemption_match_one_rank(checkpoint):
     assert [[c.token_ids for c in o.outputs] for o in two] == [[c.token_ids for c in o.outputs] for o in one]
 
 
+def test_beam_search_on_two_ranks_matches_one(checkpoint):
+    path = checkpoint("llama", **CASES["llama"])
+    sp = SamplingParams(use_beam_search=True, best_of=3, n=2, temperature=0, max_tokens=12, logprobs=1)
+    engine = dict(max_model_len=128, block_size=8, device="cpu", dtype="float32", max_num_batched_tokens=16)
+    with LLM(path, **engine) as llm:
+        one = llm.generate(PROMPTS, sp, use_tqdm=False)
+    with LLM(path, tensor_parallel_size=2, **engine) as llm:
+        two = llm.generate(PROMPTS, sp, use_tqdm=False)
+    for a, b in zip(one, two):
+        assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert cb.cumulative_logprob == pytest.approx(ca.cumulative_logprob, abs=1e-4)
+            assert [list(e) for e in cb.logprobs] == [list(e) for e in ca.logprobs]
+
+
 def test_shapes_the_ranks_cannot_split_are_refused(checkpoint):
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
         LLM(checkpoint("qwen3"), tensor_parallel_size=3, device="cpu")
