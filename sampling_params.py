@@ -149,7 +149,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             raise ValueError("output_kind DELTA cannot stream beam search: the best beams change and reorder "
                              "every step; use CUMULATIVE (the current best n each step) or FINAL_ONLY")
         for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-                          ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None), ("stop", None)):
+                          ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None)):
             if getattr(self, name) != off:
                 raise ValueError(f"{name} is not supported with use_beam_search=True")
 

@@ -54,6 +54,8 @@ class BeamFork:
     home: str
     beam_ids: list[str]  # every beam, in beam order
     num_tokens: int
+    # The plan the host made (stop strings), replacing the device's: (parent, token, score) per beam.
+    plan: list[tuple[int, int, float]] | None = None
 
 
 @dataclass

@@ -61,7 +61,7 @@ class Beam:
 
 class BeamGroup:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sp: SamplingParams,
-                 eos_token_ids: frozenset[int], arrival_time: float, max_model_len: int) -> None:
+                 eos_token_ids: frozenset[int], arrival_time: float, max_model_len: int, tokenizer=None) -> None:
         self.request_id = request_id
         self.params = sp
         self.width = sp.num_samples
@@ -83,6 +83,23 @@ class BeamGroup:
         self.joining: set[str] = set()  # beams that enter the executor at their next step
         self.fork_at: int | None = None  # tokens before the selected ones, while a plan waits to be applied
         self.done = False
+        # Stop strings: candidates are decoded here, and the plan the host
+        # derives (which then may differ from the device's) is the one applied.
+        self.tokenizer = tokenizer if sp.stop else None
+        self.texts = [""] * self.width  # running beam -> its decoded text
+        self.plan: list[tuple[int, int, float]] | None = None  # (parent, token, score) per new beam
+
+    def stop_strings(self, parents: np.ndarray, tokens: np.ndarray) -> list[str | None] | None:
+        """Per candidate, the first stop string its text gains with its token, or None."""
+        if self.tokenizer is None:
+            return None
+        sp, found = self.params, []
+        for p, t in zip(parents.tolist(), tokens.tolist()):
+            before = self.texts[p]
+            text = self.tokenizer.decode(self.beams[p].output_token_ids + [t], skip_special_tokens=sp.skip_special_tokens)
+            hits = [(i, s) for s in sp.stop if (i := text.find(s, max(0, len(before) - len(s) + 1))) >= 0]
+            found.append(min(hits)[1] if hits else None)
+        return found
 
     @property
     def home(self) -> Request:
@@ -136,6 +153,10 @@ class BeamGroup:
             self.num_generated = length
             return []
         chosen = [parents[k] for k in running]
+        if self.tokenizer is not None:
+            self.plan = [(parents[k], tokens[k], scores[k]) for k in running]
+            self.texts = [self.tokenizer.decode(self.beams[parents[k]].output_token_ids + [tokens[k]],
+                                                skip_special_tokens=sp.skip_special_tokens) for k in running]
         self.scores = [scores[k] for k in running]
         if self.logprobs is not None:
             self.logprobs = [self.logprobs[parents[k]] + [lp_rows(k)] for k in running]

@@ -57,6 +57,10 @@ class EngineCore:
         # first: (what was scheduled, the executor's handle).
         self._in_flight: deque = deque()
         self.async_scheduling = args.async_scheduling  # read every step
+        # The prepared tokenizer's files (set by the core server), loaded on
+        # first need: beam search checks its candidates for stop strings here.
+        self.tokenizer_source: tuple[str, str] | None = None
+        self._tokenizer = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -118,8 +122,17 @@ class EngineCore:
         if width > sched.max_num_seqs or width > sched.max_num_batched_tokens:
             raise ValueError(f"{name} runs {width} beams in every step, but max_num_seqs={sched.max_num_seqs} and "
                              f"max_num_batched_tokens={sched.max_num_batched_tokens}")
+        tokenizer = None
+        if sp.stop:
+            if self.tokenizer_source is None:
+                raise ValueError(f"{name}: stop strings need the tokenizer, which this engine was not given")
+            if self._tokenizer is None:
+                from headrace.checkpoint.tokenizer import Tokenizer
+
+                self._tokenizer = Tokenizer.from_prepared(*self.tokenizer_source)
+            tokenizer = self._tokenizer
         group = BeamGroup(request_id, prompt_token_ids, sp, self.model_config.eos_token_ids, arrival_time,
-                          sched.max_model_len)
+                          sched.max_model_len, tokenizer)
         # The prompt's blocks once, each beam's generated blocks and a partial one of its own.
         need = -(-len(prompt_token_ids) // bs) + width * (-(-group.max_generated // bs) + 1)
         if need > self.cache_config.num_blocks:

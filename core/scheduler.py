@@ -82,6 +82,8 @@ class Scheduler:
         for r in _unit(req):
             self.requests[r.request_id] = r
         self.waiting.append(req)
+        if req.group is not None and req.group.tokenizer is not None:
+            self.host_token_ids.add(req.request_id)  # its plans are made on the host: a step at a time
         if req.sampling_params.bad_words_token_ids:
             self.host_token_ids.add(req.request_id)
 
@@ -254,7 +256,9 @@ class Scheduler:
             used += n
         if not recompute:
             if group.fork_at is not None:
-                out.beam_forks.append(BeamFork(home.request_id, [b.request_id for b in beams], group.fork_at))
+                out.beam_forks.append(BeamFork(home.request_id, [b.request_id for b in beams], group.fork_at,
+                                               group.plan))
+                group.plan = None
             self._selects(out, group, beams)
         return used
 
@@ -337,7 +341,7 @@ class Scheduler:
             req = group.home
             self.kv.pool.free(group.tails)
             group.tails = []
-            group.fork_at = None  # the plan of a queued step is dropped with its tokens
+            group.fork_at = group.plan = None  # the plan of a queued step is dropped with its tokens
             group.joining.clear()
             if not group.num_generated:  # no beam has a token of its own yet: start again from beam 0
                 group.expanded = False
@@ -382,7 +386,7 @@ class Scheduler:
 
     def _update_group(self, group: BeamGroup, num_tokens: int, candidates, now: float) -> RequestUpdate:
         """Move a group's beams on by one step's candidates (BeamGroup.select)."""
-        parents = group.select(*candidates)
+        parents = group.select(*candidates, stop_strings=group.stop_strings(candidates[1], candidates[2]))
         if parents:
             self.kv.fork(group.beams, parents, num_tokens)
         for beam in group.beams:

@@ -91,6 +91,7 @@ class CoreServer:
         try:  # what fails from here on must not leave the engine's memory or workers behind
             tokenizer_json, tokenizer_meta = read_prepared(
                 prepare_tokenizer(resolve_model_path(args.tokenizer or args.model), envs.cache_dir()))
+            self.engine.tokenizer_source = (tokenizer_json, tokenizer_meta)  # beam search's stop strings
             self.engine_id = uuid.uuid4().hex[:12]
             self.model_name = self.engine.model_config.path
             self.metrics_server = None

@@ -151,6 +151,13 @@ def fork(forks: list[BeamFork], slot_of: dict[str, int], beam: BeamState, token_
     kv [layers, 2, blocks, block_size, heads, head_dim].
     """
     dev = token_ids.device
+    for f in forks:
+        if f.plan is not None:  # the host's plan (stop strings) replaces the device's
+            home, width = slot_of[f.home], len(f.plan)
+            parents, tokens, scores = zip(*f.plan)
+            beam.plan_parent[home, :width] = upload(np.array(parents, dtype=np.int64), dev)
+            beam.plan_token[home, :width] = upload(np.array(tokens, dtype=np.int64), dev)
+            beam.plan_score[home, :width] = upload(np.array(scores, dtype=np.float32), dev)
     dst, homes, js, lens, bases = [], [], [], [], []  # per beam: its slot, its group's home slot and first beam
     for f in forks:
         group_slots = [slot_of[r] for r in f.beam_ids]

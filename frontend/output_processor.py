@@ -131,6 +131,7 @@ class _Sample:
             if self._logprobs is not None:
                 self._logprobs = _LogprobRows(self.params.logprob_token_ids is None, self._token_text)
             self.sent_text = self.sent_tokens = 0
+            self._text_end = None
         if self._logprobs is not None and out.logprobs:
             self._logprobs.add(out)
         before = len(self.detok.text)
@@ -140,6 +141,9 @@ class _Sample:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         if self._stops and not out.replace:
             self._check_stop_strings(before)
+        elif out.replace and isinstance(out.stop_reason, str):  # a beam the core ended on a stop string
+            i = self.detok.text.find(out.stop_reason)
+            self._text_end = i + len(out.stop_reason) if self.params.include_stop_str_in_output else i
 
     def _check_stop_strings(self, before: int) -> None:
         text = self.detok.text

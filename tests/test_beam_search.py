@@ -257,3 +257,35 @@ def test_engine_refuses_groups_it_cannot_hold(checkpoint):
         engine.add_request("b", [5, 6, 7], beam_params(4, 1, max_tokens=60), 0.0)
     assert not engine.scheduler.requests
     engine.close()
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_beam_search_stop_strings_match_transformers(include, checkpoint, hf_model):
+    from transformers import AutoTokenizer
+
+    path = checkpoint("llama")
+    model, tok = hf_model(path), AutoTokenizer.from_pretrained(str(path))
+    llm = LLM(path, max_model_len=128)
+    p = prompts(llm.engine.model_config.vocab_size, [8], seed=7)[0]
+    free = llm.generate([p], beam_params(3, 1, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    stop = next(free.text[i : i + 2] for i in range(3, len(free.text)) if free.text[i : i + 2].isascii()
+                and free.text[i : i + 2].strip())
+    # length_penalty 0 ranks by the plain sum: the shorter hypothesis the stop string ends comes first
+    sp = beam_params(3, 3, 0.0, max_tokens=12, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+    out = llm.generate([p], sp, use_tqdm=False)[0]
+    pad = llm.engine.model_config.vocab_size - 1
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([p]), num_beams=3, num_return_sequences=3, do_sample=False,
+                             max_new_tokens=12, length_penalty=0.0, stop_strings=[stop], tokenizer=tok,
+                             eos_token_id=None,
+                             pad_token_id=pad, attention_mask=None)
+    stopped = 0
+    for c, row in zip(out.outputs, ref[:, len(p):].tolist()):
+        assert row[: len(c.token_ids)] == c.token_ids and all(t in (pad, -1) for t in row[len(c.token_ids):])
+        if c.stop_reason == stop:
+            stopped += 1
+            assert c.finish_reason == "stop"
+            whole = tok.decode(c.token_ids, skip_special_tokens=True)
+            assert c.text == whole[: whole.index(stop) + (len(stop) if include else 0)]
+    assert stopped, f"no beam ended on the stop string {stop!r}: {free.text!r} {[c.text for c in out.outputs]}"
+    assert_blocks_free(llm)
