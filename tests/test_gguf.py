@@ -237,3 +237,25 @@ def test_not_a_gguf_file_is_refused(tmp_path):
     bad.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ConfigError, match="not a readable GGUF file"):
         LLM(str(bad), device="cpu")
+
+
+def test_beam_search_matches_transformers_on_chat_prompts(smollm2, reference):
+    """Beam search of the real model, whose answers end on EOS, in a batch with greedy requests."""
+    from tests.test_beam_search import beam_params, check_beams, hf_beams
+
+    model, tokenizer = reference
+    llm = LLM(smollm2, device="cpu", dtype="float32", max_model_len=512)
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS[:2]]
+    params = [beam_params(w, n, lp, es, max_tokens=24)
+              for w, n, lp, es in ((2, 1, 1.0, False), (4, 4, 1.0, True), (4, 2, 0.0, "never"), (2, 2, 2.0, False))]
+    batch = [(p, sp) for sp in params for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    outs = llm.generate([p for p, _ in batch] + prompts, [sp for _, sp in batch] + [greedy] * len(prompts),
+                        use_tqdm=False)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    assert eos in llm.engine.model_config.eos_token_ids
+    for (p, sp), out in zip(batch, outs):
+        check_beams(out, hf_beams(model, p, sp, eos), sp, eos, per_token=True)
+    assert any(c.finish_reason == "stop" for out in outs[: len(batch)] for c in out.outputs)
+    llm.shutdown()
