@@ -264,12 +264,14 @@ def test_engine_refuses_groups_it_cannot_hold(checkpoint):
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_beam_search_stop_strings_match_transformers(include, checkpoint, hf_model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_beam_search_stop_strings_match_transformers(include, device, checkpoint, hf_model):
     from transformers import AutoTokenizer
 
     path = checkpoint("llama")
     model, tok = hf_model(path), AutoTokenizer.from_pretrained(str(path))
-    llm = LLM(path, max_model_len=128)
+    llm = LLM(path, max_model_len=128, device=device, dtype="float32")
     p = prompts(llm.engine.model_config.vocab_size, [8], seed=7)[0]
     free = llm.generate([p], beam_params(3, 1, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     stop = next(free.text[i : i + 2] for i in range(3, len(free.text)) if free.text[i : i + 2].isascii()
