@@ -128,12 +128,15 @@ class BeamGroup:
         length = self.num_generated + 1
         by_length = length >= self.max_generated
         scores, parents, tokens = scores.tolist(), parents.tolist(), tokens.tolist()
-        ends = []
-        for k in range(self.num_candidates):
-            ended, reason = self.stop_reason_of(tokens[k], by_length)
-            if stop_strings is not None and stop_strings[k] is not None:
-                ended, reason = True, stop_strings[k]
-            ends.append((ended, reason))
+        if by_length or stop_strings is not None or any(t in self.stop_ids for t in tokens):
+            ends = []
+            for k in range(self.num_candidates):
+                ended, reason = self.stop_reason_of(tokens[k], by_length)
+                if stop_strings is not None and stop_strings[k] is not None:
+                    ended, reason = True, stop_strings[k]
+                ends.append((ended, reason))
+        else:  # most steps: no candidate ends
+            ends = [(False, None)] * self.num_candidates
         running = [k for k in range(self.num_candidates) if not ends[k][0]][:width]
         full = len(self.finished) == width
         if self.improvable and not (full and sp.early_stopping is True):

@@ -226,6 +226,9 @@ class Scheduler:
         recompute = any(b.num_computed_tokens < b.num_tokens - 1 for b in beams)
         if not recompute and (budget < len(beams) or group.num_generated + home.num_pending >= group.max_generated):
             return 0  # no room for every beam this step, or the queued steps end the search by length
+        if not recompute and not group.joining and home.num_computed_tokens < len(home.block_ids) * self.kv.block_size:
+            self._decode_group(out, group)  # the common step: every beam has room in its blocks
+            return len(beams)
         used = 0
         for beam in beams:
             target = beam.num_tokens - 1 if recompute else beam.num_expected
@@ -261,6 +264,23 @@ class Scheduler:
                 group.plan = None
             self._selects(out, group, beams)
         return used
+
+    def _decode_group(self, out: ScheduledStep, group: BeamGroup) -> None:
+        """One token for every beam, none needing a block (they all have the
+        home's length and block count). The executor's slots already know
+        each beam's blocks and count: no CachedRequestData."""
+        beams = group.beams
+        if group.fork_at is not None:
+            out.beam_forks.append(BeamFork(group.home.request_id, [b.request_id for b in beams], group.fork_at,
+                                           group.plan))
+            group.plan = None
+        for beam in beams:
+            beam.num_computed_tokens += 1
+            beam.num_pending += 1
+            out.num_scheduled_tokens[beam.request_id] = 1
+        out.reqs.extend(beams)
+        out.samples.extend([True] * len(beams))
+        self._selects(out, group, beams)
 
     def _selects(self, out: ScheduledStep, group: BeamGroup, rows: list[Request]) -> None:
         """The step just scheduled computes these beams' last tokens: it selects the group's next beams."""

@@ -54,18 +54,21 @@ def select_step(logits: torch.Tensor, batch: InputBatch, states: RequestStates, 
     st = states.sampling
     temps = beam.temperature.np[batch.idx_mapping_np]
     scale = upload(np.where(temps > 0, temps, 1.0).astype(np.float32), logits.device) if (temps > 0).any() else None
-    ban_rows, ban_ids = [], []
-    i = 0
-    for s in selects:
-        for rid in s.beam_ids:
-            slot = slot_of[rid]
-            if st.min_tokens.np[slot] > states.num_tokens[slot] - st.num_prompt.np[slot]:
-                ban_rows.extend([i] * len(s.stop_ids))
-                ban_ids.extend(s.stop_ids)
-            i += 1
-    mask = (np.array(ban_rows, dtype=np.int64), np.array(ban_ids, dtype=np.int64)) if ban_rows else None
-    (scores, parents, tokens), rows = select(logits, row_of, slot_of, selects, beam, scale, mask)
     homes = np.array([slot_of[s.home] for s in selects], dtype=np.int64)
+    mask = None
+    if (st.min_tokens.np[homes] > 0).any():
+        ban_rows, ban_ids = [], []
+        i = 0
+        for s in selects:
+            for rid in s.beam_ids:
+                slot = slot_of[rid]
+                if st.min_tokens.np[slot] > states.num_tokens[slot] - st.num_prompt.np[slot]:
+                    ban_rows.extend([i] * len(s.stop_ids))
+                    ban_ids.extend(s.stop_ids)
+                i += 1
+        if ban_rows:
+            mask = (np.array(ban_rows, dtype=np.int64), np.array(ban_ids, dtype=np.int64))
+    (scores, parents, tokens), rows = select(logits, row_of, slot_of, selects, beam, scale, mask)
     if not (st.num_logprobs.np[homes] >= 0).any():
         return scores, parents, tokens, None, None
     # Logprobs of every candidate: its parent's row of the logits, its token sampled.
