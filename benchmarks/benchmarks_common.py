@@ -94,8 +94,9 @@ class ScheduleRecorder:
         execute = core.executor.execute
 
         def recording(sched):
-            computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
-            computed.update({r.req_id: r.num_computed_tokens for r in sched.cached_reqs})
+            # tokens in the cache before the step (the scheduler has counted the step's already)
+            computed = {r.request_id: r.num_computed_tokens - sched.num_scheduled_tokens[r.request_id]
+                        for r in sched.reqs}
             self.steps += 1
             self.tokens += sched.total_num_scheduled_tokens
             self.sampled_rows += sum(sched.samples)
