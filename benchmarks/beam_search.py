@@ -235,6 +235,8 @@ def main() -> None:
 
     sub = beam_prompts[: args.hf_prompts]
     try:
+        if not sub:
+            raise ValueError("--hf-prompts 0: not run")
         peer = run_peer(model, sub, width, out_len, device, torch.bfloat16 if cuda else torch.float32)
     except Exception as e:  # the peer's own failure is reported, not hidden
         print(f"transformers beam search failed: {type(e).__name__}: {e}")
