@@ -14,6 +14,11 @@ queued behind this one) before this one's tokens are read back. update()
 takes a step's sampled tokens whenever they arrive. A request whose
 pending tokens will finish it (max_tokens, max_model_len) is not scheduled
 again.
+
+A beam-search request is a group of beams (core/beam.py) scheduled,
+preempted and finished as one unit: beam 0 alone while it computes the
+prompt, then every beam one token a step, each step selecting the next
+beams; a preempted group frees every block and comes back whole.
 """
 from __future__ import annotations
 
