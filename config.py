@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from headrace.checkpoint.config import DTYPES, ModelConfig
 
+QUANTIZATIONS = ("fp8",)  # executor/models/quant.py implements them
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -51,6 +53,9 @@ class EngineArgs:
     # True: every tensor-parallel all-reduce through NCCL (gloo on the CPU),
     # none through peer GPU memory (executor/all_reduce.py)
     disable_custom_all_reduce: bool = False
+    # "fp8": the decoder's linear weights quantized at load to FP8 E4M3 (per
+    # output channel), activations per token (executor/models/quant.py)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -77,6 +82,8 @@ class EngineArgs:
             raise ValueError("logits_processors must be a sequence of LogitsProcessor classes or "
                              "'module:Class' strings")
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1 and not all(isinstance(p, str) for p in self.logits_processors):
             raise ValueError("with tensor_parallel_size > 1 the workers load logits_processors themselves: "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from headrace.kernels import activation, beam, input_prep, logprobs, norm, penalties, rotary, sampling
+from headrace.kernels import activation, beam, fp8, input_prep, logprobs, norm, penalties, rotary, sampling
 
 
 def _pick(ref, name: str, module):
@@ -29,3 +29,4 @@ rotary_embedding = _pick(rotary.rotary_ref, "rotary", rotary)
 silu_and_mul = _pick(activation.silu_and_mul_ref, "silu_and_mul", activation)
 prepare_inputs = _pick(input_prep.prepare_inputs_ref, "prepare_inputs", input_prep)
 copy_partial_blocks = _pick(beam.copy_partial_blocks_ref, "copy_partial_blocks", beam)
+fp8_linear = _pick(fp8.fp8_linear_ref, "fp8_linear", fp8)

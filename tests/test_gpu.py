@@ -255,3 +255,43 @@ def test_float32_beam_search_matches_transformers(arch, engine_kwargs, checkpoin
     model = hf_model(path)
     for prompt, sp, out in zip(prompts, params, outs):
         check_beams(out, hf_beams(model, prompt, sp, eos=None), sp, eos=None)
+
+
+@pytest.mark.parametrize("m, k, n, bias", [(1, 256, 512, False), (7, 1024, 768, True), (64, 4096, 4096, False),
+                                           (300, 512, 1536, True)])
+def test_fp8_linear_matches_its_reference(m, k, n, bias):
+    """torch._scaled_mm with per-token and per-channel scales against the
+    dequantized arithmetic in float32: bf16 output rounding is the only difference."""
+    from headrace.kernels.fp8 import fp8_linear, fp8_linear_ref, quantize_rows
+
+    g = torch.Generator(device="cuda").manual_seed(m * k + n)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w, scale = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+    b = torch.randn(n, device="cuda", generator=g).bfloat16() if bias else None
+    got = fp8_linear(x, w, scale, b).float()
+    want = fp8_linear_ref(x.float(), w, scale, None if b is None else b.float())
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    assert err < 1e-2, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_engine_close_to_the_dequantized_reference(arch, checkpoint):
+    """quantization='fp8' in bf16 with CUDA graphs: prompt logprobs within 0.15
+    of the FP8 arithmetic done in float32 by transformers (tests/test_quantization.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_quantization import fp8_reference
+
+    path = checkpoint(arch)
+    ref = fp8_reference(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
+    llm = LLM(path, device="cuda", dtype="bfloat16", quantization="fp8", max_model_len=256)
+    assert llm.engine.executor.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    prompts = prompts_of_lengths(llm.engine.model_config.vocab_size, [17, 64, 150], seed=9)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    worst = 0.0
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            lp = ref(torch.tensor([p])).logits[0].float().log_softmax(-1)
+        for i, entry in enumerate(out.prompt_logprobs[1:], 1):
+            worst = max(worst, abs(entry[p[i]].logprob - lp[i - 1, p[i]].item()))
+    assert worst < 0.15, f"largest prompt logprob difference {worst:.3f}"
