@@ -37,26 +37,21 @@ from headrace.sampling_params import SamplingParams
 
 
 @dataclass
-class Hypothesis:
-    """A finished beam."""
+class Beam:
+    """A sequence as an output shows it: a running beam or a finished one."""
 
-    score: float  # cumulative / length ** length_penalty: what ranks hypotheses
+    token_ids: list[int]  # generated tokens
     cumulative: float  # sum of its tokens' scores
-    token_ids: list[int]  # generated tokens, the last one included
     logprobs: list | None  # per generated position, as the executor packed it
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str | None  # "stop" or "length" once finished
     stop_reason: int | str | None
 
 
 @dataclass
-class Beam:
-    """What one of the current best n is, for an output."""
+class Hypothesis(Beam):
+    """A finished beam."""
 
-    token_ids: list[int]
-    cumulative: float
-    logprobs: list | None
-    finish_reason: str | None
-    stop_reason: int | str | None
+    score: float  # cumulative / length ** length_penalty: what ranks hypotheses
 
 
 class BeamGroup:
@@ -89,17 +84,20 @@ class BeamGroup:
         self.texts = [""] * self.width  # running beam -> its decoded text
         self.plan: list[tuple[int, int, float]] | None = None  # (parent, token, score) per new beam
 
-    def stop_strings(self, parents: np.ndarray, tokens: np.ndarray) -> list[str | None] | None:
-        """Per candidate, the first stop string its text gains with its token, or None."""
+    def _stop_strings(self, parents: list[int], tokens: list[int]) -> tuple[list[str | None], list[str]] | None:
+        """Per candidate, the first stop string its text gains with its token
+        (or None), and its text; None without stop strings."""
         if self.tokenizer is None:
             return None
-        sp, found = self.params, []
-        for p, t in zip(parents.tolist(), tokens.tolist()):
+        sp, found, texts = self.params, [], []
+        for p, t in zip(parents, tokens):
             before = self.texts[p]
-            text = self.tokenizer.decode(self.beams[p].output_token_ids + [t], skip_special_tokens=sp.skip_special_tokens)
+            text = self.tokenizer.decode(self.beams[p].output_token_ids + [t],
+                                         skip_special_tokens=sp.skip_special_tokens)
             hits = [(i, s) for s in sp.stop if (i := text.find(s, max(0, len(before) - len(s) + 1))) >= 0]
             found.append(min(hits)[1] if hits else None)
-        return found
+            texts.append(text)
+        return found, texts
 
     @property
     def home(self) -> Request:
@@ -115,19 +113,18 @@ class BeamGroup:
             return True, token if token in self.params.stop_token_ids else None
         return finish_by_length, None
 
-    def select(self, scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, lp_rows=None,
-               stop_strings: list[str | None] | None = None) -> list[int]:
+    def select(self, scores: np.ndarray, parents: np.ndarray, tokens: np.ndarray, lp_rows=None) -> list[int]:
         """Take one step's K candidates (best first) and move every beam on.
 
         Returns, per new beam, the old beam it continues (its parent).
-        lp_rows(j): beam j's logprobs for this position; stop_strings[k]:
-        the stop string candidate k ends with, if any. Sets self.done when
-        the search is over.
+        lp_rows(k): candidate k's logprobs for this position. Sets self.done
+        when the search is over.
         """
         sp, width = self.params, self.width
         length = self.num_generated + 1
         by_length = length >= self.max_generated
         scores, parents, tokens = scores.tolist(), parents.tolist(), tokens.tolist()
+        stop_strings, texts = self._stop_strings(parents, tokens) or (None, None)
         if by_length or stop_strings is not None or any(t in self.stop_ids for t in tokens):
             ends = []
             for k in range(self.num_candidates):
@@ -147,8 +144,8 @@ class BeamGroup:
                     p = parents[k]
                     lps = self.logprobs[p] + [lp_rows(k)] if self.logprobs is not None else None
                     finish = "stop" if tokens[k] in self.stop_ids or isinstance(reason, str) else "length"
-                    new.append(Hypothesis(scores[k] / length ** sp.length_penalty, scores[k],
-                                          self.beams[p].output_token_ids + [tokens[k]], lps, finish, reason))
+                    new.append(Hypothesis(self.beams[p].output_token_ids + [tokens[k]], scores[k], lps, finish,
+                                          reason, scores[k] / length ** sp.length_penalty))
             if new:  # stable: kept hypotheses first, then the new ones by rank
                 self.finished = sorted(self.finished + new, key=lambda h: -h.score)[:width]
         if len(running) < width:
@@ -158,8 +155,7 @@ class BeamGroup:
         chosen = [parents[k] for k in running]
         if self.tokenizer is not None:
             self.plan = [(parents[k], tokens[k], scores[k]) for k in running]
-            self.texts = [self.tokenizer.decode(self.beams[parents[k]].output_token_ids + [tokens[k]],
-                                                skip_special_tokens=sp.skip_special_tokens) for k in running]
+            self.texts = [texts[k] for k in running]
         self.scores = [scores[k] for k in running]
         if self.logprobs is not None:
             self.logprobs = [self.logprobs[parents[k]] + [lp_rows(k)] for k in running]
@@ -188,8 +184,7 @@ class BeamGroup:
     def best(self, n: int, final: bool) -> list[Beam]:
         """The n best sequences now: kept hypotheses and, while the search
         runs (or was cut short), running beams ranked at their current length."""
-        ranked = [(h.score, Beam(h.token_ids, h.cumulative, h.logprobs, h.finish_reason, h.stop_reason))
-                  for h in self.finished]
+        ranked: list[tuple[float, Beam]] = [(h.score, h) for h in self.finished]
         if not final or len(ranked) < n:
             length = max(self.num_generated, 1)
             for j, beam in enumerate(self.beams):

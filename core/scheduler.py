@@ -184,8 +184,7 @@ class Scheduler:
     def _allocate(self, out: ScheduledStep, req: Request, n: int, make=None):
         """kv.allocate(req, n) (or make()), preempting the newest running
         requests while the pool is short; None if req itself was preempted."""
-        make = make or (lambda: self.kv.allocate(req, n))
-        while (blocks := make()) is None:
+        while (blocks := make() if make is not None else self.kv.allocate(req, n)) is None:
             victim = self.running[-1]
             self._preempt(victim)
             out.num_preempted += 1
@@ -263,10 +262,7 @@ class Scheduler:
             self._scheduled(out, beam, n)
             used += n
         if not recompute:
-            if group.fork_at is not None:
-                out.beam_forks.append(BeamFork(home.request_id, [b.request_id for b in beams], group.fork_at,
-                                               group.plan))
-                group.plan = None
+            self._forks(out, group)
             self._selects(out, group, beams)
         return used
 
@@ -275,10 +271,7 @@ class Scheduler:
         home's length and block count). The executor's slots already know
         each beam's blocks and count: no CachedRequestData."""
         beams = group.beams
-        if group.fork_at is not None:
-            out.beam_forks.append(BeamFork(group.home.request_id, [b.request_id for b in beams], group.fork_at,
-                                           group.plan))
-            group.plan = None
+        self._forks(out, group)
         for beam in beams:
             beam.num_computed_tokens += 1
             beam.num_pending += 1
@@ -286,6 +279,14 @@ class Scheduler:
         out.reqs.extend(beams)
         out.samples.extend([True] * len(beams))
         self._selects(out, group, beams)
+
+    @staticmethod
+    def _forks(out: ScheduledStep, group: BeamGroup) -> None:
+        """The group's last selection, not applied yet, is applied before this step computes."""
+        if group.fork_at is not None:
+            out.beam_forks.append(BeamFork(group.home.request_id, [b.request_id for b in group.beams],
+                                           group.fork_at, group.plan))
+            group.plan = None
 
     def _selects(self, out: ScheduledStep, group: BeamGroup, rows: list[Request]) -> None:
         """The step just scheduled computes these beams' last tokens: it selects the group's next beams."""
@@ -411,7 +412,7 @@ class Scheduler:
 
     def _update_group(self, group: BeamGroup, num_tokens: int, candidates, now: float) -> RequestUpdate:
         """Move a group's beams on by one step's candidates (BeamGroup.select)."""
-        parents = group.select(*candidates, stop_strings=group.stop_strings(candidates[1], candidates[2]))
+        parents = group.select(*candidates)
         if parents:
             self.kv.fork(group.beams, parents, num_tokens)
         for beam in group.beams:

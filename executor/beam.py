@@ -2,7 +2,7 @@
 step, and applying the choice (forking) before the group's next step.
 
 A group's plan lives on the device, keyed by its home slot (beam 0's):
-select() writes it from the step's logits, fork() applies it at the start
+select_beams() writes it from the step's logits, fork_beams() applies it at the start
 of the group's next step, so no host round trip sits between two steps of
 a group. The host gets the same K candidates the plan was made from and
 follows the beams a step behind (core/beam.py).
@@ -27,11 +27,10 @@ class BeamState:
     def __init__(self, num_slots: int, device: torch.device) -> None:
         self.score = StagedTensor((num_slots,), torch.float32, device)  # slot -> its beam's cumulative score
         self.temperature = StagedTensor((num_slots,), torch.float32, device)  # slot -> beam_search_temperature
-        # home slot -> new beam j -> (its parent beam, its token, its score), written by select()
+        # home slot -> new beam j -> (its parent beam, its token, its score), written by _select()
         self.plan_parent = torch.zeros(num_slots, MAX_BEST_OF, dtype=torch.int64, device=device)
         self.plan_token = torch.zeros(num_slots, MAX_BEST_OF, dtype=torch.int64, device=device)
         self.plan_score = torch.zeros(num_slots, MAX_BEST_OF, dtype=torch.float32, device=device)
-
 
     def add(self, slot: int, new: NewRequestData) -> None:
         self.score.stage(slot, new.beam_score)
@@ -42,9 +41,9 @@ class BeamState:
         self.temperature.apply()
 
 
-def select_step(logits: torch.Tensor, batch: InputBatch, states: RequestStates, beam: BeamState,
-                selects: list[BeamSelect]) -> tuple:
-    """select() for one step's groups, with their temperatures, min_tokens
+def select_beams(logits: torch.Tensor, batch: InputBatch, states: RequestStates, beam: BeamState,
+                 selects: list[BeamSelect]) -> tuple:
+    """_select() for one step's groups, with their temperatures, min_tokens
     bans and, for groups that ask, each candidate's logprobs (as the sampler
     packs them, from the logits the scores came from). Returns the tensors
     to copy to the host: scores, parents, tokens, and the logprobs' ints and
@@ -68,15 +67,12 @@ def select_step(logits: torch.Tensor, batch: InputBatch, states: RequestStates, 
                 i += 1
         if ban_rows:
             mask = (np.array(ban_rows, dtype=np.int64), np.array(ban_ids, dtype=np.int64))
-    (scores, parents, tokens), rows = select(logits, row_of, slot_of, selects, beam, scale, mask)
+    scores, parents, tokens, cell_rows = _select(logits, row_of, slot_of, selects, homes, beam, scale, mask)
     if not (st.num_logprobs.np[homes] >= 0).any():
         return scores, parents, tokens, None, None
     # Logprobs of every candidate: its parent's row of the logits, its token sampled.
-    G, k_max = scores.shape
-    w_max = max(s.width for s in selects)
-    cell_rows = np.zeros(G * w_max, dtype=np.int64)
-    cell_rows[[g * w_max + b for g, s in enumerate(selects) for b in range(len(s.beam_ids))]] = rows
-    cand_rows = upload(cell_rows, logits.device).view(G, w_max).gather(1, parents).view(-1)
+    k_max = scores.shape[1]
+    cand_rows = cell_rows.gather(1, parents).view(-1)
     raw = logits[cand_rows]
     final = raw if scale is None else raw / scale[cand_rows][:, None]
     slots = np.repeat(homes, k_max)
@@ -84,15 +80,17 @@ def select_step(logits: torch.Tensor, batch: InputBatch, states: RequestStates, 
     return scores, parents, tokens, ints, floats
 
 
-def select(logits: torch.Tensor, row_of: dict[str, int], slot_of: dict[str, int], selects: list[BeamSelect],
-           beam: BeamState, scale: torch.Tensor | None, mask: tuple[np.ndarray, np.ndarray] | None):
+def _select(logits: torch.Tensor, row_of: dict[str, int], slot_of: dict[str, int], selects: list[BeamSelect],
+            homes: np.ndarray, beam: BeamState, scale: torch.Tensor | None,
+            mask: tuple[np.ndarray, np.ndarray] | None):
     """Each group's K best continuations by cumulative score, best first,
     and its plan: the first W of them that do not end a beam.
 
-    logits [num_rows, vocab] float32; scale [num_rows] divides the beam rows'
-    logits (beam_search_temperature) or is None; mask: (beam row, token)
-    pairs banned (min_tokens). Returns the candidates (score, parent beam,
-    token) as [G, Kmax] tensors and the beam rows' batch rows.
+    logits [num_rows, vocab] float32; homes [G]: each group's home slot;
+    scale [num_rows] divides the beam rows' logits (beam_search_temperature)
+    or is None; mask: (beam row, token) pairs banned (min_tokens). Returns
+    the candidates (score, parent beam, token) as [G, Kmax] tensors and
+    [G, Wmax], each group's beams' batch rows.
     """
     dev = logits.device
     G = len(selects)
@@ -102,7 +100,6 @@ def select(logits: torch.Tensor, row_of: dict[str, int], slot_of: dict[str, int]
     rows = [row_of[r] for s in selects for r in s.beam_ids]
     cells = [g * w_max + b for g, s in enumerate(selects) for b in range(len(s.beam_ids))]
     slots = [slot_of[r] for s in selects for r in s.beam_ids]
-    homes = [slot_of[s.home] for s in selects]
     stops = np.full((G, s_max), -1, dtype=np.int64)
     for g, s in enumerate(selects):
         stops[g, : len(s.stop_ids)] = s.stop_ids
@@ -139,10 +136,12 @@ def select(logits: torch.Tensor, row_of: dict[str, int], slot_of: dict[str, int]
     beam.plan_parent[homes_t, :w_max] = parents.gather(1, order)
     beam.plan_token[homes_t, :w_max] = tokens.gather(1, order)
     beam.plan_score[homes_t, :w_max] = scores.gather(1, order)
-    return (scores, parents, tokens), rows
+    cell_rows = torch.zeros(G * w_max, dtype=torch.int64, device=dev)
+    cell_rows[cells_t] = rows_t
+    return scores, parents, tokens, cell_rows.view(G, w_max)
 
 
-def fork(forks: list[BeamFork], slot_of: dict[str, int], beam: BeamState, token_ids: torch.Tensor,
+def fork_beams(forks: list[BeamFork], slot_of: dict[str, int], beam: BeamState, token_ids: torch.Tensor,
          block_table: torch.Tensor, kv: torch.Tensor, block_size: int) -> None:
     """Apply the groups' plans: beam j of a group takes, from its parent,
     the first L tokens and the block table's full blocks of them, a copy of
@@ -162,17 +161,18 @@ def fork(forks: list[BeamFork], slot_of: dict[str, int], beam: BeamState, token_
             beam.plan_token[home, :width] = upload(np.array(tokens, dtype=np.int64), dev)
             beam.plan_score[home, :width] = upload(np.array(scores, dtype=np.float32), dev)
     dst, homes, js, lens, bases = [], [], [], [], []  # per beam: its slot, its group's home slot and first beam
+    starts = []  # group -> its first beam
     for f in forks:
         group_slots = [slot_of[r] for r in f.beam_ids]
         base = len(dst)
-        for j, slot in enumerate(group_slots):
-            dst.append(slot)
-            homes.append(group_slots[0])
-            js.append(j)
-            lens.append(f.num_tokens)
-            bases.append(base)
+        starts.append(base)
+        dst.extend(group_slots)
+        homes.extend([group_slots[0]] * len(group_slots))
+        js.extend(range(len(group_slots)))
+        lens.extend([f.num_tokens] * len(group_slots))
+        bases.extend([base] * len(group_slots))
     F = len(dst)
-    starts = sorted(set(bases)) + [F]
+    starts.append(F)
     meta = upload(np.array([*dst, *homes, *js, *lens, *bases, *starts], dtype=np.int64), dev)
     dst_t, homes_t, js_t, lens_t, bases_t = (meta[i * F : (i + 1) * F] for i in range(5))
     starts_t = meta[5 * F :]

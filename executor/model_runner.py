@@ -12,9 +12,8 @@ from headrace import envs
 from headrace.checkpoint import ConfigError
 from headrace.checkpoint.config import ModelConfig
 from headrace.config import EngineArgs, SchedulerConfig
-from headrace.executor import beam
 from headrace.executor.attention import AttentionMetadata
-from headrace.executor.beam import BeamState
+from headrace.executor.beam import BeamState, fork_beams, select_beams
 from headrace.executor.cuda_graphs import StepGraphs, clear_cublas_workspaces
 from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.logits_processors import load_logits_processors
@@ -48,7 +47,7 @@ class PendingOutput:
     sampled: torch.Tensor  # [num_rows] int64, host copy (valid after `ready`)
     logprobs: tuple[torch.Tensor, torch.Tensor] | None  # host copies of the packed logprobs
     prompt_logprobs: dict[str, tuple]  # request id -> (start, token ids, scores, ranks), host copies
-    beams: tuple | None = None  # host copies of beam.select()'s candidates (and their logprobs)
+    beams: tuple | None = None  # host copies of select_beams()' candidates (and their logprobs)
     ready: torch.cuda.Event | None = None  # passed when the host copies are done (None on the CPU)
 
 
@@ -310,8 +309,8 @@ class ModelRunner:
         states.apply_staged()
         self.beam.apply_staged()
         if sched.beam_forks:
-            beam.fork(sched.beam_forks, states.req_to_slot, self.beam, states.token_ids.gpu, states.block_table.gpu,
-                      self.kv, self.block_size)
+            fork_beams(sched.beam_forks, states.req_to_slot, self.beam, states.token_ids.gpu, states.block_table.gpu,
+                       self.kv, self.block_size)
 
         batch = prepare_inputs(states, sched.num_scheduled_tokens, self.block_size, self.device)
         if self.graphs is not None and self.graphs.fits(batch):
@@ -320,7 +319,7 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled, logprobs = sample(logits, batch, states, self.processors)
-        beams = beam.select_step(logits, batch, states, self.beam, sched.beam_selects) if sched.beam_selects else None
+        beams = select_beams(logits, batch, states, self.beam, sched.beam_selects) if sched.beam_selects else None
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         self._advance(batch, sampled)
         pending = PendingOutput(

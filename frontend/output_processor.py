@@ -100,8 +100,7 @@ class _Sample:
         self.params = params
         self._tokenizer, self._token_text = tokenizer, token_text
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        ranked = params.logprob_token_ids is None  # requested ids have no rank, top-N their place
-        self._logprobs = _LogprobRows(ranked, token_text) if params.num_logprobs is not None else None
+        self._logprobs = self._new_logprobs()
         self._cumulative: float | None = None  # the core's figure (beam search, best_of), when it sends one
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -114,6 +113,12 @@ class _Sample:
         self.sent_tokens = 0
         self._finish_sent = False
         self.last_token_time: float | None = None  # core timestamp of the step that sent the last token
+
+    def _new_logprobs(self) -> _LogprobRows | None:
+        if self.params.num_logprobs is None:
+            return None
+        ranked = self.params.logprob_token_ids is None  # requested ids have no rank, top-N their place
+        return _LogprobRows(ranked, self._token_text)
 
     @property
     def finished(self) -> bool:
@@ -128,8 +133,7 @@ class _Sample:
             self._cumulative = out.cumulative_logprob
         if out.replace:  # beam search: a whole new sequence (a beam's, which the core ended itself)
             self.detok = IncrementalDetokenizer(self._tokenizer, self.params.skip_special_tokens)
-            if self._logprobs is not None:
-                self._logprobs = _LogprobRows(self.params.logprob_token_ids is None, self._token_text)
+            self._logprobs = self._new_logprobs()
             self.sent_text = self.sent_tokens = 0
             self._text_end = None
         if self._logprobs is not None and out.logprobs:
@@ -287,7 +291,8 @@ class RequestState:
         if out.prompt_ranks and self.prompt_logprobs is None:
             self._add_prompt_logprobs(out)
         if sample.stopped_by_string:
-            self.stopped_by_string.append(self.request_id if len(self.samples) == 1 else f"{self.request_id}#{out.index}")
+            sample_id = self.request_id if len(self.samples) == 1 else f"{self.request_id}#{out.index}"
+            self.stopped_by_string.append(sample_id)
         m.first_scheduled_time = m.first_scheduled_time or out.first_scheduled_time
         m.first_token_time = m.first_token_time or out.first_token_time
         if sample.finished:

@@ -292,7 +292,8 @@ def test_fp8_engine_close_to_the_dequantized_reference(arch, checkpoint):
     for p, out in zip(prompts, outs):
         with torch.no_grad():
             lp = ref(torch.tensor([p])).logits[0].float().log_softmax(-1)
-        diffs += [abs(entry[p[i]].logprob - lp[i - 1, p[i]].item()) for i, entry in enumerate(out.prompt_logprobs[1:], 1)]
+        diffs += [abs(entry[p[i]].logprob - lp[i - 1, p[i]].item())
+                  for i, entry in enumerate(out.prompt_logprobs[1:], 1)]
     print(f"fp8 {arch}: prompt logprob difference mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.4f}")
     # Measured on an H100: mean 0.05-0.07, max 0.23-0.37. Activations in bf16 round to FP8 differently
     # from float32 ones now and then (one E4M3 step is 6%), which the max shows; a wrong scale or layout

@@ -90,7 +90,8 @@ class _Generation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             n=_or(self.n, 1), best_of=self.best_of, use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping,
             # beam search does not sample: an unset temperature is 0 for it
-            temperature=_or(self.temperature, 0.0 if self.use_beam_search else 1.0), top_p=_or(self.top_p, 1.0), top_k=self.top_k,
+            temperature=_or(self.temperature, 0.0 if self.use_beam_search else 1.0), top_p=_or(self.top_p, 1.0),
+            top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, presence_penalty=_or(self.presence_penalty, 0.0),
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             repetition_penalty=self.repetition_penalty, logit_bias=bias, allowed_token_ids=self.allowed_token_ids,
