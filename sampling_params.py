@@ -283,7 +283,6 @@ class BeamSearchParams(msgspec.Struct, kw_only=True, frozen=True):
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
 
     def sampling_params(self) -> SamplingParams:
         """The same search as SamplingParams (raises ValueError naming a bad field)."""
@@ -293,5 +292,4 @@ class BeamSearchParams(msgspec.Struct, kw_only=True, frozen=True):
         return SamplingParams(
             n=self.beam_width, best_of=self.beam_width, use_beam_search=True, temperature=0.0,
             beam_search_temperature=self.temperature, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-            length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output,
-            output_kind=RequestOutputKind.FINAL_ONLY)
+            length_penalty=self.length_penalty, output_kind=RequestOutputKind.FINAL_ONLY)
