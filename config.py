@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headrace.checkpoint.config import DTYPES, ModelConfig
-
-QUANTIZATIONS = ("fp8",)  # executor/models/quant.py implements them
+from headrace.checkpoint.quant_config import METHODS as QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -53,9 +52,14 @@ class EngineArgs:
     # True: every tensor-parallel all-reduce through NCCL (gloo on the CPU),
     # none through peer GPU memory (executor/all_reduce.py)
     disable_custom_all_reduce: bool = False
-    # "fp8": the decoder's linear weights quantized at load to FP8 E4M3 (per
-    # output channel), activations per token (executor/models/quant.py)
+    # None: as the checkpoint is stored (its quantization_config; a GGUF file's
+    # blocks packed on a GPU). "fp8" also quantizes a float checkpoint's
+    # projections at load; "awq", "gptq" and "gguf" name the checkpoint's own
+    # format (executor/models/quant.py)
     quantization: str | None = None
+    # A GGUF file's quantized weights dequantized at load to the model dtype
+    # (more memory, plain GEMMs) instead of kept packed
+    dequantize_gguf: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -69,7 +73,8 @@ class EngineArgs:
                 _positive_int(name, getattr(self, name))
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "disable_custom_all_reduce"):
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "disable_custom_all_reduce",
+                     "dequantize_gguf"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from headrace.checkpoint import ConfigError
-from headrace.checkpoint.gguf import GGUFFile, hf_config
+from headrace.checkpoint.gguf import GGUFFile, hf_config, quantized_types
+from headrace.checkpoint.quant_config import QuantConfig, parse_quant_config
 
 # model_type -> (architecture class name, q/k/v bias, per-head q/k RMSNorm)
 SUPPORTED_MODELS = {
@@ -55,13 +56,16 @@ class ModelConfig:
     checkpoint_dtype: str
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     bos_token_id: int | None = None
+    quant: QuantConfig | None = None  # how the checkpoint's projections are stored, if not as floats
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         """From a checkpoint directory's config.json, or a GGUF file's metadata."""
         path = Path(path)
         if path.suffix == ".gguf" and path.is_file():
-            return cls.from_dict(hf_config(GGUFFile(path)), str(path))
+            f = GGUFFile(path)
+            cfg = cls.from_dict(hf_config(f), str(path))
+            return replace(cfg, quant=QuantConfig("gguf") if quantized_types(f) else None)
         try:
             cfg = json.loads((path / "config.json").read_text())
         except FileNotFoundError:
@@ -90,7 +94,6 @@ class ModelConfig:
         if archs != [arch]:
             raise ConfigError(f"architectures={archs} is not supported for {model_type}; expected [{arch!r}]")
         _refuse(cfg, "hidden_act", lambda v: v in (None, "silu"), "only 'silu' is supported")
-        _refuse(cfg, "quantization_config", lambda v: v is None, "quantized checkpoints are not supported")
         _refuse(cfg, "use_sliding_window", lambda v: not v, "sliding-window attention is not supported")
         _refuse(cfg, "layer_types", lambda v: v is None or set(v) <= {"full_attention"},
                 "only full attention layers are supported")
@@ -136,6 +139,7 @@ class ModelConfig:
             checkpoint_dtype=dtype,
             eos_token_ids=frozenset(eos),
             bos_token_id=cfg.get("bos_token_id"),
+            quant=parse_quant_config(cfg.get("quantization_config")),
         )
 
 

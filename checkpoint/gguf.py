@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,19 @@ class GGUFFile:
             return [self._value(item) for _ in range(n)]
         raise ValueError(f"unknown metadata value type {kind}")
 
+    def blocks(self, name: str) -> Blocks | None:
+        """A quantized 2-D tensor's raw blocks, one row per output row; None for a float tensor."""
+        ggml_type, shape, offset = self.tensors[name]
+        type_name = gguf_quants.GGML_TYPES.get(ggml_type, str(ggml_type))
+        if len(shape) != 2 or type_name in ("F32", "F16", "BF16"):
+            return None
+        start = self._start + offset
+        try:
+            size = gguf_quants.nbytes(ggml_type, shape[0] * shape[1])
+        except ValueError as e:
+            raise ConfigError(f"{self.path}: tensor {name}: {e}") from None
+        return Blocks(type_name, np.asarray(self._data[start : start + size]).reshape(shape[0], -1), tuple(shape))
+
     def tensor(self, name: str) -> np.ndarray:
         """A tensor dequantized to float32, in numpy order (for a weight: [out, in])."""
         ggml_type, shape, offset = self.tensors[name]
@@ -144,8 +158,25 @@ def hf_config(f: GGUFFile) -> dict:
     return {k: v for k, v in cfg.items() if v is not None}
 
 
-def hf_tensors(f: GGUFFile, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """(transformers name, float32 array) for every tensor of the file."""
+@dataclass(frozen=True)
+class Blocks:
+    """A quantized weight as its file holds it: each row a run of `type_name` blocks."""
+
+    type_name: str  # Q4_0, Q4_K, ...
+    raw: np.ndarray  # [rows, bytes per row] uint8
+    shape: tuple[int, int]  # [out, in] elements
+
+
+def quantized_types(f: GGUFFile) -> set[str]:
+    """The block formats the file's layer weights are stored in (empty: all floats)."""
+    names = {gguf_quants.GGML_TYPES.get(t, str(t)) for n, (t, shape, _) in f.tensors.items()
+             if n.startswith("blk.") and len(shape) == 2}
+    return names - {"F32", "F16", "BF16"}
+
+
+def hf_tensors(f: GGUFFile, cfg: dict, packed: bool = False) -> Iterator[tuple[str, np.ndarray | Blocks]]:
+    """(transformers name, float32 array) for every tensor of the file; with
+    packed, the layers' quantized weights come as their Blocks instead."""
     llama = cfg["model_type"] == "llama"
     for name in f.tensors:
         stem, _, kind = name.rpartition(".")  # kind: weight or bias
@@ -158,10 +189,14 @@ def hf_tensors(f: GGUFFile, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
             hf, part = f"{_TOP_NAMES[stem]}.{kind}", stem
         else:
             raise ConfigError(f"{f.path}: GGUF tensor {name} has no place in the {cfg['model_type']} model")
-        tensor = f.tensor(name)
+        tensor = f.blocks(name) if packed and stem.startswith("blk.") else None
+        tensor = f.tensor(name) if tensor is None else tensor
         if llama and part in ("attn_q", "attn_k"):
             heads = cfg["num_attention_heads"] if part == "attn_q" else cfg["num_key_value_heads"]
-            tensor = _unpermute(tensor, heads)
+            if isinstance(tensor, Blocks):
+                tensor = replace(tensor, raw=_unpermute(tensor.raw, heads))
+            else:
+                tensor = _unpermute(tensor, heads)
         yield hf, tensor
 
 

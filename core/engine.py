@@ -57,6 +57,8 @@ class EngineCore:
         # first: (what was scheduled, the executor's handle).
         self._in_flight: deque = deque()
         self.async_scheduling = args.async_scheduling  # read every step
+        quant = self.executor.quant
+        self.quantization = quant.describe() if quant is not None else "none"  # of the weights, for logs and /metrics
         # The prepared tokenizer's files (set by the core server), loaded on
         # first need: beam search checks its candidates for stop strings here.
         self.tokenizer_source: tuple[str, str] | None = None

@@ -147,7 +147,7 @@ class CoreServer:
         """A Prometheus collector of this core's series, labelled (model_name, engine)."""
         from headrace.metrics.exporter import EngineCollector
 
-        return EngineCollector(self.engine.metrics, self.model_name, self.engine_id)
+        return EngineCollector(self.engine.metrics, self.model_name, self.engine_id, self.engine.quantization)
 
     # ---- lifecycle ----
 

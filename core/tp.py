@@ -52,8 +52,13 @@ class TPExecutor:
 
     def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs) -> None:
         from headrace.executor.model_runner import first_gpu, resolve_device, resolve_dtype
+        from headrace.executor.models.quant import resolve_quantization
 
         size = args.tensor_parallel_size
+        device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device)  # what the ranks run in
+        # The ranks resolve the same; refused here, before any worker starts.
+        self.quant = resolve_quantization(args.quantization, args.dequantize_gguf, model_cfg, device, self.dtype, size)
         self._dir = tempfile.mkdtemp(prefix="headrace-tp-")  # 0700: sockets and the process-group rendezvous
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
@@ -65,8 +70,6 @@ class TPExecutor:
         self.states = _Slots()
         self.closed = False
         self._failed = False  # a worker died or failed: the others may be stuck in a collective with it
-        device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device)  # what the ranks run in
         first = None  # on GPUs rank r takes cuda:(first + r)
         if device.type == "cuda":
             first = first_gpu(device, 0, size, f"tensor_parallel_size={size} from {device}")

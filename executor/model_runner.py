@@ -18,7 +18,7 @@ from headrace.executor.cuda_graphs import StepGraphs, clear_cublas_workspaces
 from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.logits_processors import load_logits_processors
 from headrace.executor.models.loader import load_model
-from headrace.executor.models.quant import check_quantization, quantize_model
+from headrace.executor.models.quant import quantize_model, resolve_quantization
 from headrace.executor.parallel import TPGroup, local_kv_heads
 from headrace.executor.sampler import SampledLogprobs, sample
 from headrace.executor.sampling_state import SamplingState
@@ -152,9 +152,10 @@ class ModelRunner:
             torch.set_num_threads(max(1, envs.cpu_threads() // tp.size))
         self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, self.device)
         self.block_size = args.block_size
-        check_quantization(args.quantization, self.device, self.dtype)
-        self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len, tp)
-        quantize_model(self.model, args.quantization)
+        self.quant = resolve_quantization(args.quantization, args.dequantize_gguf, model_cfg, self.device,
+                                          self.dtype, tp.size)
+        self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len, tp, self.quant)
+        quantize_model(self.model, self.quant)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the unquantized weights' memory, for the KV pool
         self.num_kv_heads = local_kv_heads(model_cfg, tp)[1]  # this rank's

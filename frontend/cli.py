@@ -86,6 +86,7 @@ def _core(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     # The first line names the address; tools read it (and the second, with metrics).
     print(f"headrace core: serving {engine_args.model} at {server.address}", flush=True)
+    print(f"headrace core: weights {server.engine.quantization}", file=sys.stderr, flush=True)
     if server.metrics_server is not None:
         print(f"headrace core: metrics at {server.metrics_server.url}", flush=True)
     server.serve_forever(parent_pid=args.parent_pid)

@@ -55,19 +55,26 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] -> (x / scale as FP8, the scale repeated [rows, 1]): one fixed scale for every row."""
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+
+
 def fp8_linear_ref(
     x: torch.Tensor,  # [tokens, in_features] bf16/fp16/fp32
     weight: torch.Tensor,  # [out_features, in_features] float8_e4m3fn
     weight_scale: torch.Tensor,  # [out_features, 1] float32
     bias: torch.Tensor | None,  # [out_features] in x's dtype
+    input_scale: torch.Tensor | None = None,  # [] float32: static activation scale; None: per token
 ) -> torch.Tensor:
-    x_q, x_scale = quantize_rows(x)
+    x_q, x_scale = quantize_rows(x) if input_scale is None else quantize_static(x, input_scale)
     return F.linear((x_q.float() * x_scale).to(x.dtype), (weight.float() * weight_scale).to(x.dtype), bias)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    x_q, x_scale = quantize_rows_triton(x)
+               bias: torch.Tensor | None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    x_q, x_scale = quantize_rows_triton(x) if input_scale is None else quantize_static(x, input_scale)
     # weight.t() is column-major, as _scaled_mm wants its second operand.
     return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), bias=bias,
                             out_dtype=x.dtype)

@@ -68,9 +68,12 @@ ITERATION_TOKENS = Metric("headrace:iteration_tokens_total", "histogram", "token
                           buckets=TOKEN_BUCKETS)
 STEP_DURATION = Metric("headrace:engine_step_duration_seconds", "histogram", "seconds",
                        "Wall time of one engine step (schedule, execute, update).", buckets=STEP_BUCKETS)
+QUANTIZATION_INFO = Metric("headrace:quantization_info", "gauge", "",
+                           "1, labelled with the quantization the engine's weights run in ('none', or e.g. "
+                           "'awq (4-bit, group 128)').", extra_labels=("quantization",))
 
 ENGINE_METRICS = (
-    NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
+    QUANTIZATION_INFO, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
     NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, ITERATION_TOKENS, STEP_DURATION,
 )
 

@@ -1,13 +1,22 @@
-"""quantization="fp8": the engine against transformers on the same weights quantized the same way."""
+"""Quantized weights: the engine against transformers' model code on the
+same weights dequantized (float32), greedy and token for token.
+
+fp8 at load quantizes a float checkpoint; FP8, AWQ and GPTQ checkpoints are
+written by tests/quant_checkpoints.py in each format's packing."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from torch import nn
 
 from headrace import LLM, SamplingParams
+from headrace.checkpoint import ConfigError
 from headrace.config import EngineArgs
-from tests.conftest import ARCHS, assert_blocks_free
+from headrace.executor.models.quant import Fp8Linear, Int4Linear
+from tests.conftest import ARCHS, assert_blocks_free, hf_greedy
+from tests.quant_checkpoints import quantize_checkpoint
 from tests.test_generate import prompts_of_lengths
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -36,25 +45,134 @@ def test_fp8_greedy_matches_the_dequantized_reference(arch, checkpoint, tmp_path
     path = checkpoint(arch)
     ref = fp8_reference(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
     plain = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    llm = LLM(path, quantization="fp8", max_model_len=256, max_num_batched_tokens=32)  # chunked prefill too
-    prompts = prompts_of_lengths(llm.engine.model_config.vocab_size, [3, 17, 40, 90], seed=8)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-    differs = 0
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, attention_mask=None)
-            unquantized = plain.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, attention_mask=None)
-        assert out.outputs[0].token_ids == want[0, len(p):].tolist()
-        differs += unquantized[0, len(p):].tolist() != want[0, len(p):].tolist()
-    assert differs, "FP8 changed no output: the test cannot tell quantized arithmetic from none"
+    llm = assert_greedy_matches(path, ref, plain, quantization="fp8")
     layer = llm.engine.executor.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     assert layer.mlp.down_proj.weight.element_size() == 1
-    assert_blocks_free(llm)
     llm.shutdown()
 
 
 def test_unknown_quantization_is_refused():
-    for name in ("awq", "int4", "FP8"):
+    for name in ("int4", "FP8", "squeezellm"):
         with pytest.raises(ValueError, match="quantization must be None or one of"):
             EngineArgs(model="unused", quantization=name)
+
+
+# (arch, format, options): every architecture in every format; GPTQ over
+# symmetric and not, desc_act and not, and the one-group case; the group
+# sizes that occur (16, 32, 64) and 128 where the features allow it.
+INT4_CASES = [
+    ("llama", "awq", dict(group=32)),
+    ("qwen2", "awq", dict(group=16)),
+    ("qwen3", "awq", dict(group=64)),
+    ("llama", "gptq", dict(group=32, sym=True, desc_act=False)),
+    ("qwen2", "gptq", dict(group=16, sym=False, desc_act=True)),
+    ("qwen3", "gptq", dict(group=-1, sym=True, desc_act=True)),
+    ("qwen3", "gptq", dict(group=128, sym=False, desc_act=False, hidden_size=128, intermediate_size=256)),
+]
+SHAPE_KEYS = ("hidden_size", "intermediate_size")
+
+
+def reference(src, deq: dict, hooks: dict | None = None) -> nn.Module:
+    """transformers' model on src with the dequantized weights; hooks: module
+    name suffix -> a function applied to that module's input."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    missing = model.load_state_dict({k: v for k, v in deq.items() if k.endswith(".weight")}, strict=False)
+    assert not missing.unexpected_keys
+    for name, module in model.named_modules():
+        for suffix, fn in (hooks or {}).items():
+            if name.endswith(suffix):
+                module.register_forward_pre_hook(lambda m, args, fn=fn: (fn(args[0]),))
+    return model
+
+
+def assert_greedy_matches(path, ref: nn.Module, plain: nn.Module | None = None, **kwargs) -> LLM:
+    """Greedy output token-identical to ref's; with plain (the float model),
+    also that quantization changed some output, so the test can tell."""
+    llm = LLM(str(path), max_model_len=256, max_num_batched_tokens=32, **kwargs)  # chunked prefill too
+    prompts = prompts_of_lengths(llm.engine.model_config.vocab_size, [3, 17, 40, 90], seed=8)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    differs = 0
+    for p, out in zip(prompts, outs):
+        want = hf_greedy(ref, p, 12)
+        assert out.outputs[0].token_ids == want
+        differs += plain is not None and hf_greedy(plain, p, 12) != want
+    assert plain is None or differs, "quantization changed no output: the test cannot tell"
+    assert_blocks_free(llm)
+    return llm
+
+
+@pytest.mark.parametrize("arch, fmt, opts", INT4_CASES, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         "-".join(f"{k}={x}" for k, x in v.items() if k not in SHAPE_KEYS))
+def test_int4_checkpoint_matches_the_dequantized_reference(arch, fmt, opts, checkpoint, tmp_path, hf_model):
+    shape = {k: opts.pop(k) for k in SHAPE_KEYS if k in opts}
+    src = checkpoint(arch, **shape)
+    deq = quantize_checkpoint(src, tmp_path / fmt, fmt, **opts)
+    llm = assert_greedy_matches(tmp_path / fmt, reference(src, deq), hf_model(src))
+    layer = llm.engine.executor.model.layers[0]
+    for proj in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert isinstance(proj, Int4Linear) and proj.qweight.dtype == torch.int32
+    # desc_act reorders the input features, unless there is one group
+    assert (layer.self_attn.qkv_proj.perm is not None) == (opts.get("desc_act", False) and opts["group"] != -1)
+    llm.shutdown()
+
+
+def fake_fp8_static(scale: torch.Tensor):
+    return lambda x: (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+
+
+@pytest.mark.parametrize("arch, static", [("llama", False), ("qwen2", False), ("qwen3", True)])
+def test_fp8_checkpoint_matches_the_dequantized_reference(arch, static, checkpoint, tmp_path, hf_model):
+    """E4M3 weights with per-tensor and per-channel weight_scale tensors as
+    they are stored; activations per token, or by the static input_scale (a
+    fused projection takes the largest of its parts')."""
+    src = checkpoint(arch)
+    deq = quantize_checkpoint(src, tmp_path / "fp8", "fp8", static=static)
+    hooks = {p: fake_fp8 for p in PROJECTIONS}
+    if static:
+        hooks = {}
+        for stem in {k.rsplit(".", 2)[0] for k in deq}:  # model.layers.N.self_attn / .mlp
+            for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)):
+                names = [f"{stem}.{p}.input_scale" for p in group if f"{stem}.{p}.input_scale" in deq]
+                if names:
+                    top = max(deq[n] for n in names)
+                    hooks |= {n.removesuffix(".input_scale"): fake_fp8_static(top) for n in names}
+    llm = assert_greedy_matches(tmp_path / "fp8", reference(src, deq, hooks), hf_model(src))
+    proj = llm.engine.executor.model.layers[1].mlp.gate_up_proj
+    assert isinstance(proj, Fp8Linear) and proj.weight.dtype == torch.float8_e4m3fn
+    assert (proj.input_scale is not None) == static
+    llm.shutdown()
+
+
+def _with_config(src, dst, **quant_config) -> str:
+    quantize_checkpoint(src, dst, "gptq", group=32)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] |= quant_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_bad_quantized_checkpoints_are_refused_by_name(checkpoint, tmp_path):
+    src = checkpoint("llama")
+    cases = [
+        (dict(bits=8), r"quantization_config\.bits=8 is not supported: only 4-bit"),
+        (dict(quant_method="squeezellm"), r"quant_method='squeezellm' is not supported"),
+        (dict(checkpoint_format="gptq_v2"), r"checkpoint_format='gptq_v2'"),
+        (dict(group_size=48), r"in_features 128 is not a multiple of the group size 48"),
+        (dict(group_size=64), r"down_proj: qzeros has shape \(4, 8\), expected \(2, 8\)"),  # written for 32
+    ]
+    for i, (override, message) in enumerate(cases):
+        with pytest.raises(ConfigError, match=message):
+            LLM(_with_config(src, tmp_path / f"bad{i}", **override), max_model_len=64)
+    with pytest.raises(ConfigError, match=r"quantization='awq'.*holds gptq weights"):
+        LLM(_with_config(src, tmp_path / "ok", bits=4), quantization="awq", max_model_len=64)
+    with pytest.raises(ConfigError, match=r"quantization='gptq'.*holds no gptq weights"):
+        LLM(str(src), quantization="gptq", max_model_len=64)
+    with pytest.raises(ConfigError, match=r"quantization='gguf'.*not a GGUF file"):
+        LLM(str(src), quantization="gguf", max_model_len=64)
+    with pytest.raises(ConfigError, match="dequantize_gguf applies to a GGUF file"):
+        LLM(str(src), dequantize_gguf=True, max_model_len=64)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not supported"):
+        LLM(str(tmp_path / "ok"), tensor_parallel_size=2, max_model_len=64)

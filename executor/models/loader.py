@@ -9,9 +9,11 @@ from tqdm import tqdm
 
 from headrace.checkpoint import ConfigError
 from headrace.checkpoint.config import ModelConfig
-from headrace.checkpoint.gguf import GGUFFile, hf_config, hf_tensors, is_gguf
+from headrace.checkpoint.gguf import Blocks, GGUFFile, hf_config, hf_tensors, is_gguf
 from headrace.checkpoint.paths import weight_files
+from headrace.checkpoint.quant_config import QuantConfig
 from headrace.executor.models.llama import LlamaForCausalLM
+from headrace.executor.models.quant_formats import build_layer, is_quantized
 from headrace.executor.parallel import TPGroup
 
 MODELS = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
@@ -20,20 +22,59 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-               tp: TPGroup = TPGroup()) -> torch.nn.Module:
-    """The model with this rank's slice of every weight (all of them for one rank)."""
+               tp: TPGroup = TPGroup(), quant: QuantConfig | None = None) -> torch.nn.Module:
+    """The model with this rank's slice of every weight (all of them for one
+    rank). With a quantized checkpoint (quant.in_checkpoint), its projections'
+    quantized tensors are gathered per projection and become quant.py's layers."""
     with torch.device(device):
         model = MODELS[cfg.model_type](cfg, max_positions, tp)
     model = model.to(dtype).eval().requires_grad_(False)
     params = dict(model.named_parameters())
     loaded: dict[str, int] = {name: 0 for name in params}  # parameter -> elements written
-    tensors = _gguf_tensors(cfg.path) if is_gguf(cfg.path) else _safetensors(Path(cfg.path))
+    quant = quant if quant is not None and quant.in_checkpoint else None
+    if is_gguf(cfg.path):
+        tensors = _gguf_tensors(cfg.path, packed=quant is not None)
+    else:
+        tensors = _safetensors(Path(cfg.path))
+    pending: dict[str, dict[int, dict]] = {}  # fused projection -> part -> suffix -> tensor
     for ckpt_name, tensor in tensors:
-        _load_tensor(model, params, loaded, ckpt_name, tensor)
+        name = ckpt_name.removeprefix("model.")
+        stem, _, suffix = name.rpartition(".")
+        if quant is not None and stem.endswith(_PARTS) and is_quantized(quant, suffix, tensor):
+            target, shard = _fused(model, stem)
+            pending.setdefault(target, {}).setdefault(shard, {})[suffix] = tensor
+        else:
+            _load_tensor(model, params, loaded, ckpt_name, tensor)
+    for target, parts in pending.items():
+        _replace(model, target, parts, quant, dtype, device)
+        loaded.pop(f"{target}.weight")
     missing = [n for n, count in loaded.items() if count != params[n].numel()]
     if missing:
         raise ConfigError(f"checkpoint {cfg.path} lacks weights for: {missing[:8]}")
     return model
+
+
+# Checkpoint names of the decoder's projections (our fused ones take several).
+_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _fused(model, stem: str) -> tuple[str, int]:
+    """A checkpoint projection's module name -> (our module's name, its part index)."""
+    for part, (fused, shard) in model.stacked_params.items():
+        if stem.endswith(f".{part}"):
+            return stem.removesuffix(part) + fused, shard
+    return stem, 0
+
+
+def _replace(model, target: str, parts: dict[int, dict], quant: QuantConfig, dtype, device) -> None:
+    parent_name, _, attr = target.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    linear = getattr(parent, attr)
+    num_parts = len(model.shard_sizes(attr)) if attr in ("qkv_proj", "gate_up_proj") else 1
+    if sorted(parts) != list(range(num_parts)):
+        raise ConfigError(f"{quant.method} checkpoint: {target} has quantized tensors for parts {sorted(parts)} "
+                          f"of {num_parts}: the others are missing or stored unquantized")
+    setattr(parent, attr, build_layer(quant, target, [parts[i] for i in range(num_parts)], linear, dtype, device))
 
 
 def _safetensors(path: Path):
@@ -44,13 +85,14 @@ def _safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
-def _gguf_tensors(path: str):
-    """(transformers name, float32 tensor) for every tensor of a GGUF file, dequantized one by one."""
+def _gguf_tensors(path: str, packed: bool):
+    """(transformers name, tensor) for every tensor of a GGUF file, dequantized
+    one by one to float32; with packed, the layers' quantized weights stay Blocks."""
     f = GGUFFile(path)
     # A bar on a terminal only (disable=None): dequantizing takes seconds on a CPU.
-    for name, array in tqdm(hf_tensors(f, hf_config(f)), total=len(f.tensors), desc="loading GGUF weights",
-                            disable=None):
-        yield name, torch.from_numpy(array)
+    for name, array in tqdm(hf_tensors(f, hf_config(f), packed), total=len(f.tensors),
+                            desc="loading GGUF weights", disable=None):
+        yield name, array if isinstance(array, Blocks) else torch.from_numpy(array)
 
 
 def _load_tensor(model, params, loaded, ckpt_name: str, tensor: torch.Tensor) -> None:

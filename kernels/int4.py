@@ -1,0 +1,228 @@
+"""w4a16 linear layers: 4-bit weights with per-group scales and zero points.
+
+The one layout for every int4 checkpoint (AWQ and GPTQ are repacked into it at load):
+    qweight  int32 [K // 8, N]: element (k, n) is (qweight[k // 8, n] >> 4 * (k % 8)) & 0xF
+    scales   [K // G, N] in the activation dtype
+    zeros    [K // G, N] in the same dtype, integers (they come from 4-bit fields)
+    W[n, k] = (q(k, n) - zeros[k // G, n]) * scales[k // G, n], G = group_size dividing K
+and y = x W^T + bias. int4_linear_ref dequantizes W and calls F.linear;
+int4_linear is one Triton kernel that dequantizes tiles on the fly.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from headrace.kernels.device import num_sms
+
+_SHIFTS = tuple(range(0, 32, 4))  # bit offset of k % 8 within an int32
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [K, N] integers 0..15 -> qweight int32 [K // 8, N]."""
+    if q.dim() != 2 or q.dtype.is_floating_point or q.dtype == torch.bool:
+        raise ValueError(f"pack_int4 takes a 2-d integer tensor, got {q.dtype} {tuple(q.shape)}")
+    if q.shape[0] % 8:
+        raise ValueError(f"pack_int4: K = {q.shape[0]} rows is not a multiple of 8")
+    if q.numel() and (q.min() < 0 or q.max() > 15):
+        raise ValueError("pack_int4: values must lie in 0..15")
+    shifts = torch.tensor(_SHIFTS, device=q.device)[None, :, None]
+    packed = (q.long().reshape(q.shape[0] // 8, 8, q.shape[1]) << shifts).sum(dim=1)  # [K // 8, N] in [0, 2^32)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight int32 [K // 8, N] -> q uint8 [K, N]."""
+    shifts = torch.tensor(_SHIFTS, device=qweight.device, dtype=torch.int32)[None, :, None]
+    q = (qweight[:, None, :] >> shifts) & 0xF  # [K // 8, 8, N]
+    return q.reshape(-1, qweight.shape[1]).to(torch.uint8)
+
+
+def _check(qweight, scales, zeros, group_size: int, k: int | None = None) -> int:
+    """Validates the layout (and the input width k if given); returns K."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be 2-d int32 [K // 8, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    if k is not None and qweight.shape[0] * 8 != k:
+        raise ValueError(f"qweight has {qweight.shape[0]} rows, so K = {qweight.shape[0] * 8}, but x has K = {k}")
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if k == 0 or group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide K = {k}")
+    if group_size % 16 and group_size != k:
+        raise ValueError(f"group_size {group_size} must be a multiple of 16 or K = {k}")
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        if tuple(t.shape) != (k // group_size, n) or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be floating [K // group_size, N] = [{k // group_size}, {n}], "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    return k
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """-> W [N, K] in dtype: (q - zero) * scale in float32, then cast."""
+    _check(qweight, scales, zeros, group_size)
+    q = unpack_int4(qweight).float()  # [K, N]
+    s = scales.float().repeat_interleave(group_size, dim=0)  # [K, N]
+    z = zeros.float().repeat_interleave(group_size, dim=0)  # [K, N]
+    return ((q - z) * s).to(dtype).t()
+
+
+def _check_input(x, qweight, scales, zeros, group_size, bias) -> None:
+    if x.dim() == 0:
+        raise ValueError("x must have a last dimension of K features")
+    _check(qweight, scales, zeros, group_size, x.shape[-1])
+    if bias is not None and tuple(bias.shape) != (qweight.shape[1],):
+        raise ValueError(f"bias must be [N] = [{qweight.shape[1]}], got {tuple(bias.shape)}")
+
+
+def int4_linear_ref(
+    x: torch.Tensor,  # [..., K] float16 / bfloat16 / float32
+    qweight: torch.Tensor,  # [K // 8, N] int32
+    scales: torch.Tensor,  # [K // G, N]
+    zeros: torch.Tensor,  # [K // G, N]
+    group_size: int,  # G
+    bias: torch.Tensor | None,  # [N] in x's dtype
+) -> torch.Tensor:
+    _check_input(x, qweight, scales, zeros, group_size, bias)
+    return F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, x.dtype), bias)
+
+
+# Triton: program (tile, split) computes a [BLOCK_M, BLOCK_N] tile of y from
+# split's run of BLOCK_K-wide slices of K. A slice lies in one group
+# (BLOCK_K divides G, or G = K), so it reads one row of scales and zeros.
+# Each int32 of qweight is loaded once and widened to 8 rows of the tile:
+# (q | 0x4B000000) read as float32 is 2^23 + q, so subtracting 2^23 + zero
+# gives q - zero exactly (zero is an integer). The scale is applied to the
+# dequantized tile (SCALE_ACC false, as the reference rounds) or, when few
+# rows share the tile, to the dot's [BLOCK_M, BLOCK_N] result instead.
+# With K split (SPLIT) the program writes float32 partials [split_k, M, N] that
+# _sum_splits_kernel adds in a fixed order: no atomics, results reproducible.
+@triton.jit(do_not_specialize=["M"])
+def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, group_size, k_per_split,
+                        stride_xm, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SCALE_ACC: tl.constexpr,
+                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    pid, split = tl.program_id(0), tl.program_id(1)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M  # GROUP_M row tiles share the weight tiles they read
+    rows_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_m
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs_k8 = k_start // 8 + tl.arange(0, BLOCK_K // 8)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    qw_ptrs = qw_ptr + offs_k8[:, None].to(tl.int64) * N + offs_n[None, :]  # [BLOCK_K // 8, BLOCK_N]
+    shifts = 4 * tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        in_k = offs_k < k_end - k0 + k_start
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        qw = tl.load(qw_ptrs, mask=(offs_k8 < (k_end - k0 + k_start) // 8)[:, None] & mask_n[None, :], other=0)
+        g_off = (k0 // group_size) * N + offs_n
+        zero = tl.load(z_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32) + 8388608.0  # [BLOCK_N]
+        scale = tl.load(s_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+        q = ((qw[:, None, :] >> shifts[None, :, None]) & 0xF) | 0x4B000000  # [BLOCK_K // 8, 8, BLOCK_N]
+        w = tl.reshape(q.to(tl.float32, bitcast=True) - zero[None, None, :], (BLOCK_K, BLOCK_N))
+        if SCALE_ACC:
+            part = tl.dot(x, w.to(x.dtype), input_precision="ieee" if IEEE else None)
+            acc += part * scale[None, :]
+        else:
+            w = (w * scale[None, :]).to(x.dtype)
+            acc = tl.dot(x, w, acc, input_precision="ieee" if IEEE else None)
+        x_ptrs += BLOCK_K
+        qw_ptrs += (BLOCK_K // 8) * N
+    out_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if not SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + split.to(tl.int64) * M * N + out_offs, acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, split_k):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class _Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    scale_acc: bool  # scale the dot's result (few rows) rather than the dequantized tile
+    split_k: int = 0  # 0: enough K splits to give every SM about two programs
+
+
+# By the largest M of each bucket. Decode (M <= 16) is bound by reading the
+# weights: small tiles, split K so every SM streams. Prefill is bound by the
+# tensor cores: large tiles, so each dequantized tile serves many rows.
+_CONFIGS = (
+    (16, _Config(16, 64, 128, 4, 4, True)),
+    (32, _Config(32, 64, 128, 4, 4, True)),
+    (64, _Config(64, 64, 128, 4, 4, True)),
+    (128, _Config(64, 128, 64, 4, 4, False)),
+    (256, _Config(128, 128, 64, 8, 3, False)),
+    (None, _Config(128, 256, 64, 8, 3, False, 1)),
+)
+
+
+def _pick_config(m: int) -> _Config:
+    return next(cfg for limit, cfg in _CONFIGS if limit is None or m <= limit)
+
+
+def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg: _Config) -> torch.Tensor:
+    """int4_linear on a 2-d x [M, K] with the given tiles (benchmarks compare configs through it)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    if group_size != k:
+        block_k = min(block_k, group_size & -group_size)  # a power of two dividing G, >= 16
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    k_slices = triton.cdiv(k, block_k)
+    split_k = cfg.split_k or triton.cdiv(2 * num_sms(x.device), tiles)
+    slices_per_split = triton.cdiv(k_slices, min(split_k, k_slices))
+    split_k = triton.cdiv(k_slices, slices_per_split)
+    part = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else scales
+    _int4_linear_kernel[(tiles, split_k)](
+        x, qweight, scales, zeros, bias_arg, part, m, n, k, group_size, slices_per_split * block_k, x.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=split_k > 1, SCALE_ACC=cfg.scale_acc, IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, split_k,
+                                                         HAS_BIAS=bias is not None, BLOCK=block)
+    return out
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """int4_linear_ref's result in one or two launches; x's last dimension must be contiguous."""
+    _check_input(x, qweight, scales, zeros, group_size, bias)
+    if x.stride(-1) != 1:
+        raise ValueError("x must be contiguous in its last dimension")
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    out = _launch(x2, qweight, scales, zeros, group_size, bias, _pick_config(x2.shape[0]))
+    return out.reshape(*x.shape[:-1], qweight.shape[1])

@@ -1,0 +1,151 @@
+"""The int4 (w4a16) linear kernel against its torch reference, and its layout helpers.
+
+Without a GPU the kernel runs under the Triton interpreter, which is set
+before any headrace or triton import (see tests/test_triton_kernels.py). The
+interpreter's tl.dot mishandles bfloat16, so on the CPU the 16-bit dtype is
+float16; on a GPU both are tested.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from headrace.kernels.int4 import (  # noqa: E402
+    _CONFIGS, _launch, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, unpack_int4,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+# (M, K, N, G). Decode sizes (M <= 16) split K; 40 and 200 are K = G with a
+# partial last slice of K; G = 16 forces 16-wide slices; N = 40 and 96 leave
+# partial tiles of N; M = 100, 200, 300 reach the prefill configs.
+SHAPES = [(0, 64, 40, 64), (1, 256, 40, 128), (1, 40, 96, 40), (3, 128, 96, 16), (3, 256, 40, 256),
+          (16, 64, 40, 32), (16, 512, 96, 128), (33, 200, 96, 200), (33, 96, 40, 32), (100, 64, 96, 16),
+          (200, 128, 40, 128), (300, 96, 40, 32)]
+if DEVICE == "cuda":
+    SHAPES += [(1, 4096, 1000, 128), (7, 2048, 3000, 32), (16, 1536, 4096, 1536), (64, 1024, 512, 64),
+               (513, 2048, 1000, 128), (2048, 1024, 2048, 128)]
+
+
+def _layer(k: int, n: int, g: int, dtype: torch.dtype, seed: int):
+    """Random (qweight, scales, zeros) on DEVICE, with every value 0..15 and zeros 0..15."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (k // g, n), generator=gen).to(dtype)
+    return pack_int4(q).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE)
+
+
+def _assert_near(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Each output may differ by u * sum_k |x| |W|: for 16-bit dtypes the rounding
+    of W (half an eps per term, which the kernel may skip) and of y in each
+    (half an eps each), so u = 2 eps; for float32 only the order of the K
+    additions differs, u = eps * sqrt(K)."""
+    eps = torch.finfo(x.dtype).eps
+    u = 2 * eps if x.element_size() == 2 else eps * x.shape[-1] ** 0.5
+    bound = x.double().abs() @ w.double().abs().t()  # [M, N]
+    err = (got.double() - want.double()).abs()
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert bool((err <= u * bound + 1e-30).all()), f"max error {err.max():.3g}, allowed {(u * bound).max():.3g}"
+
+
+def test_pack_unpack_round_trip():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (64, 24), generator=gen, dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (8, 24)
+    assert torch.equal(unpack_int4(packed), q)
+    q[:8, 0] = torch.tensor([1, 2, 3, 4, 5, 6, 7, 15])  # high nibble 15: the int32 is negative
+    assert pack_int4(q)[0, 0].item() == 0xF7654321 - 2**32
+    assert torch.equal(unpack_int4(pack_int4(q.to(torch.int64))), q)
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int4(torch.zeros(12, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="0..15"):
+        pack_int4(torch.full((8, 4), 16))
+
+
+def test_dequantize_matches_formula():
+    k, n, g = 64, 6, 16
+    qweight, scales, zeros = (t.cpu() for t in _layer(k, n, g, torch.float32, seed=1))
+    got = dequantize_int4(qweight, scales, zeros, g, torch.float32)
+    want = torch.empty(n, k)
+    for kk in range(k):
+        for nn in range(n):
+            q = (int(qweight[kk // 8, nn]) >> (4 * (kk % 8))) & 0xF
+            want[nn, kk] = (q - zeros[kk // g, nn].item()) * scales[kk // g, nn].item()
+    assert torch.equal(got, want)
+    assert dequantize_int4(qweight, scales, zeros, g, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("m,k,n,g", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_linear(m, k, n, g, dtype):
+    seed = m * 1_000_003 + k * 1009 + n * 7 + g
+    qweight, scales, zeros = _layer(k, n, g, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    bias = (torch.randn(n, generator=gen) * (0.0 if seed % 2 else 1.0)).to(dtype).to(DEVICE)
+    w = dequantize_int4(qweight, scales, zeros, g, dtype)
+    for b in (None, bias):
+        got = int4_linear(x, qweight, scales, zeros, g, b)
+        _assert_near(got, int4_linear_ref(x, qweight, scales, zeros, g, b), x, w)
+
+
+@pytest.mark.parametrize("m", [5, 33])
+def test_every_config_and_split(m):
+    """Each config of the table on one shape, with K split 1 or 3 ways, and the
+    float32 partials left in torch.empty's memory never read."""
+    k, n, g = 384, 72, 64
+    qweight, scales, zeros = _layer(k, n, g, torch.float16, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEVICE)
+    bias = torch.randn(n).half().to(DEVICE)
+    want = int4_linear_ref(x, qweight, scales, zeros, g, bias)
+    w = dequantize_int4(qweight, scales, zeros, g, torch.float16)
+    for _, cfg in _CONFIGS:
+        for split_k in (1, 3):
+            _assert_near(_launch(x, qweight, scales, zeros, g, bias, cfg._replace(split_k=split_k)), want, x, w)
+
+
+def test_strided_and_batched_x_and_reproducible():
+    k, n, g = 128, 40, 32
+    qweight, scales, zeros = _layer(k, n, g, torch.float32, seed=3)
+    wide = torch.randn(2, 3, k + 8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    x = wide[..., :k]  # rows k + 8 apart, last dimension contiguous
+    got = int4_linear(x, qweight, scales, zeros, g, None)
+    assert got.shape == (2, 3, n)
+    want = int4_linear_ref(x.contiguous(), qweight, scales, zeros, g, None)
+    _assert_near(got.reshape(6, n), want.reshape(6, n), x.reshape(6, k), dequantize_int4(qweight, scales, zeros, g,
+                                                                                           torch.float32))
+    assert torch.equal(got, int4_linear(x, qweight, scales, zeros, g, None))
+
+
+@pytest.mark.parametrize("fn", [int4_linear, int4_linear_ref])
+def test_bad_input(fn):
+    k, n, g = 64, 16, 32
+    qweight, scales, zeros = _layer(k, n, g, torch.float32, seed=4)
+    x = torch.randn(2, k, device=DEVICE)
+    cases = [
+        ((x[:, :56], qweight, scales, zeros, g, None), "qweight has 8 rows, so K = 64, but x has K = 56"),
+        ((x, qweight, scales[:1], zeros, g, None), r"scales must be floating \[K // group_size, N\] = \[2, 16\]"),
+        ((x, qweight, scales, zeros[:, :8], g, None), "zeros must be"),
+        ((x, qweight, scales, zeros, 48, None), "group_size 48 does not divide K = 64"),
+        ((x, qweight, scales, zeros, 0, None), "group_size 0 does not divide"),
+        ((x, qweight.float(), scales, zeros, g, None), "qweight must be 2-d int32"),
+        ((x, qweight, scales, zeros, g, torch.zeros(n + 1, device=DEVICE)), r"bias must be \[N\] = \[16\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fn(*args)
+    if fn is int4_linear:
+        with pytest.raises(ValueError, match="contiguous in its last dimension"):
+            fn(torch.randn(k, 2, device=DEVICE).t(), qweight, scales, zeros, g, None)
