@@ -195,20 +195,21 @@ def _k4_scale_min(sc_ptr, row, sub, mask):
 
 
 @triton.jit
-def _dequant_groups(FMT: tl.constexpr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, g, N, K):
+def _dequant_groups(FMT: tl.constexpr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, g, N, K, stride_qs, stride_qh):
     """Rows n [BN] (int64), groups g [NB] -> their (low, high) elements, float32 [BN, NB, 16] each
-    (zeros outside the weight). Scales and mins are decoded per (row, group), then broadcast."""
+    (zeros outside the weight). Scales and mins are decoded per (row, group), then broadcast. The row
+    strides of qs and qh come as arguments so that Triton sees them divisible by 16 (16-byte loads)."""
     t = tl.arange(0, 16)[None, None, :]
     ok2 = (n < N)[:, None] & (g < K // 32)[None, :]  # [BN, NB]
     ok = ok2[:, :, None]
     n2, g2 = n[:, None], g[None, :]
     if FMT == _Q8_0:
-        at = qs_ptr + (n2 * K + 32 * g2)[:, :, None] + t
+        at = qs_ptr + (n2 * stride_qs + 32 * g2)[:, :, None] + t
         d = tl.load(d_ptr + n2 * (K // 32) + g2, mask=ok2, other=0.0).to(tl.float32)[:, :, None]
         lo = _exact_float(tl.load(at, mask=ok, other=0).to(tl.int32) + 128, 128) * d
         hi = _exact_float(tl.load(at + 16, mask=ok, other=0).to(tl.int32) + 128, 128) * d
     else:
-        b = tl.load(qs_ptr + (n2 * (K // 2) + 16 * g2)[:, :, None] + t, mask=ok, other=0).to(tl.int32)
+        b = tl.load(qs_ptr + (n2 * stride_qs + 16 * g2)[:, :, None] + t, mask=ok, other=0).to(tl.int32)
         if FMT == _Q4_0 or FMT == _Q4_1:
             blk = n2 * (K // 32) + g2
             d = tl.load(d_ptr + blk, mask=ok2, other=0.0).to(tl.float32)[:, :, None]
@@ -231,7 +232,7 @@ def _dequant_groups(FMT: tl.constexpr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, 
                 hi = _exact_float(b >> 4, 0) * (d * sc_hi)[:, :, None] - (dmin * mn_hi)[:, :, None]
             else:  # Q6_K
                 half = i // 4
-                at_h = qh_ptr + (64 * sup + 32 * half + 16 * (i % 2))[:, :, None] + t
+                at_h = qh_ptr + (n2 * stride_qh + 64 * (g2 // 8) + 32 * half + 16 * (i % 2))[:, :, None] + t
                 qh = tl.load(at_h, mask=ok, other=0).to(tl.int32)
                 shift = (2 * ((i % 4) // 2))[:, :, None]
                 at_s = sc_ptr + 16 * sup + 8 * half + i % 4
@@ -247,7 +248,7 @@ def _dequant_groups(FMT: tl.constexpr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, 
 # float32 products summed per element and reduced once at the end.
 @triton.jit
 def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, N, K, stride_xm,
-                      tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                      stride_qs, stride_qh, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     num_rows = tl.num_programs(2)
@@ -258,7 +259,7 @@ def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, bias_ptr, out
     acc = tl.zeros([BN, NB, 16], dtype=tl.float32)
     for tile in range(first, last):
         g = tile * NB + tl.arange(0, NB)
-        lo, hi = _dequant_groups(FMT, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, g, N, K)
+        lo, hi = _dequant_groups(FMT, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, g, N, K, stride_qs, stride_qh)
         at = x_ptr + row * stride_xm + _group_base(FMT, g)[:, None] + t  # [NB, 16]
         in_k = (g < K // 32)[:, None]
         x_lo = tl.load(at, mask=in_k, other=0.0).to(tl.float32)
@@ -279,7 +280,7 @@ def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, bias_ptr, out
 # fill the instruction's N. Each step is two dots: low and high halves.
 @triton.jit(do_not_specialize=["M"])
 def _gguf_mm_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
-                    tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                    stride_qs, stride_qh, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                     NB: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM).to(tl.int64)  # rows of x
@@ -290,7 +291,7 @@ def _gguf_mm_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, bias_ptr, out_p
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for tile in range(first, last):
         g = tile * NB + tl.arange(0, NB)
-        lo, hi = _dequant_groups(FMT, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, g, N, K)
+        lo, hi = _dequant_groups(FMT, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, g, N, K, stride_qs, stride_qh)
         lo = tl.reshape(lo, [BN, NB * 16]).to(x_ptr.dtype.element_ty)
         hi = tl.reshape(hi, [BN, NB * 16]).to(x_ptr.dtype.element_ty)
         gj = tile * NB + j // 16
@@ -368,14 +369,16 @@ def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Con
     dummy = p.d  # stands in for the pointers a format does not read
     args = (x, p.qs, p.d, dummy if p.m is None else p.m, dummy if p.scales is None else p.scales,
             dummy if p.qh is None else p.qh, dummy if bias is None else bias, part)
+    strides = (p.qs.stride(0), 16 if p.qh is None else p.qh.stride(0))
     common = dict(FMT=fmt.code, HI=fmt.hi, NB=groups, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.gemv:
         grid = (triton.cdiv(n, cfg.block_n), split_k, m)
-        _gguf_gemv_kernel[grid](*args, n, k, x.stride(0), tiles_per_split, BN=cfg.block_n, **common)
+        _gguf_gemv_kernel[grid](*args, n, k, x.stride(0), *strides, tiles_per_split, BN=cfg.block_n,
+                                **common)
     else:
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
-        _gguf_mm_kernel[grid](*args, m, n, k, x.stride(0), tiles_per_split, BN=cfg.block_n, BM=cfg.block_m,
+        _gguf_mm_kernel[grid](*args, m, n, k, x.stride(0), *strides, tiles_per_split, BN=cfg.block_n, BM=cfg.block_m,
                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
     if split_k > 1:
         block = 1024

@@ -93,18 +93,19 @@ def int4_linear_ref(
 # Triton: program (tile, split) computes a [BLOCK_M, BLOCK_N] tile of y from
 # split's run of BLOCK_K-wide slices of K. A slice lies in one group
 # (BLOCK_K divides G, or G = K), so it reads one row of scales and zeros.
-# Each int32 of qweight is loaded once and widened to 8 rows of the tile:
-# (q | 0x4B000000) read as float32 is 2^23 + q, so subtracting 2^23 + zero
-# gives q - zero exactly (zero is an integer). The scale is applied to the
-# dequantized tile (SCALE_ACC false, as the reference rounds) or, when few
-# rows share the tile, to the dot's [BLOCK_M, BLOCK_N] result instead.
+# Each int32 of qweight is loaded once and widened in registers to its 8
+# rows j: masking (qw >> 16 * (j // 4)) to its nibble at bit s = 4 * (j % 4)
+# and setting 0x4B000000 gives the float32 2^23 + q * 2^s, and
+# that * 2^-s - (2^(23 - s) + zero) is q - zero exactly (zero is an integer).
+# The scale multiplies the dequantized tile (as the reference rounds) or,
+# when few rows share the tile (SCALE_ACC), the dot's [BLOCK_M, BLOCK_N] result.
 # With K split (SPLIT) the program writes float32 partials [split_k, M, N] that
 # _sum_splits_kernel adds in a fixed order: no atomics, results reproducible.
 @triton.jit(do_not_specialize=["M"])
 def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, group_size, k_per_split,
-                        stride_xm, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SCALE_ACC: tl.constexpr,
-                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr):
+                        stride_xm, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                        SCALE_ACC: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid, split = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M  # GROUP_M row tiles share the weight tiles they read
@@ -119,18 +120,26 @@ def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
     offs_k = k_start + tl.arange(0, BLOCK_K)
     offs_k8 = k_start // 8 + tl.arange(0, BLOCK_K // 8)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    qw_ptrs = qw_ptr + offs_k8[:, None].to(tl.int64) * N + offs_n[None, :]  # [BLOCK_K // 8, BLOCK_N]
-    shifts = 4 * tl.arange(0, 8)
+    qw_ptrs = qw_ptr + offs_k8[:, None, None].to(tl.int64) * N + offs_n[None, None, :]  # [BLOCK_K // 8, 1, BLOCK_N]
+    j = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]: row within a packed int32
+    high, nibble = 16 * (j // 4), 0xF << 4 * (j % 4)
+    unit = ((127 - 4 * (j % 4)) << 23).to(tl.float32, bitcast=True)  # 2^-s
+    magic = ((150 - 4 * (j % 4)) << 23).to(tl.float32, bitcast=True)  # 2^(23 - s)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        in_k = offs_k < k_end - k0 + k_start
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
-        qw = tl.load(qw_ptrs, mask=(offs_k8 < (k_end - k0 + k_start) // 8)[:, None] & mask_n[None, :], other=0)
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            qw = tl.load(qw_ptrs, mask=mask_n[None, None, :], other=0)
+        else:
+            in_k8 = offs_k8 < (k_end - k0 + k_start) // 8
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < k_end - k0 + k_start)[None, :], other=0.0)
+            qw = tl.load(qw_ptrs, mask=in_k8[:, None, None] & mask_n[None, None, :], other=0)
         g_off = (k0 // group_size) * N + offs_n
-        zero = tl.load(z_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32) + 8388608.0  # [BLOCK_N]
+        zero = tl.load(z_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
         scale = tl.load(s_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
-        q = ((qw[:, None, :] >> shifts[None, :, None]) & 0xF) | 0x4B000000  # [BLOCK_K // 8, 8, BLOCK_N]
-        w = tl.reshape(q.to(tl.float32, bitcast=True) - zero[None, None, :], (BLOCK_K, BLOCK_N))
+        bits = ((qw >> high) & nibble) | 0x4B000000  # [BLOCK_K // 8, 8, BLOCK_N]
+        w = tl.fma(bits.to(tl.float32, bitcast=True), unit, -(magic + zero[None, None, :]))
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N))  # q - zero
         if SCALE_ACC:
             part = tl.dot(x, w.to(x.dtype), input_precision="ieee" if IEEE else None)
             acc += part * scale[None, :]
@@ -207,7 +216,7 @@ def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg:
     bias_arg = bias if bias is not None else scales
     _int4_linear_kernel[(tiles, split_k)](
         x, qweight, scales, zeros, bias_arg, part, m, n, k, group_size, slices_per_split * block_k, x.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=split_k > 1, SCALE_ACC=cfg.scale_acc, IEEE=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % block_k == 0, SCALE_ACC=cfg.scale_acc, IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     if split_k > 1:

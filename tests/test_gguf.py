@@ -15,6 +15,7 @@ from headrace import LLM, AsyncEngine, RequestOutputKind, SamplingParams
 from headrace.checkpoint import ConfigError
 from headrace.checkpoint.gguf import GGUFFile, hf_config
 from headrace.checkpoint.smollm2 import FetchError, smollm2_gguf
+from headrace.executor.models.quant import GGUFLinear
 from tests.conftest import hf_greedy, hf_logprobs
 
 QUESTIONS = [
@@ -74,6 +75,23 @@ def test_greedy_matches_transformers_in_a_mixed_batch(engine, smollm2, reference
         assert outs[0].outputs[0].text == "The capital of France is Paris."
     if engine == "preempting":
         assert llm.engine.scheduler.num_preemptions > 0
+    llm.shutdown()
+
+
+def test_packed_blocks_match_transformers(smollm2, reference):
+    """quantization="gguf" keeps the Q4_1 blocks packed (the GPU's default);
+    on the CPU the layers dequantize them as they run: the same greedy tokens
+    as transformers, and the weights held in the file's bytes."""
+    model, tokenizer = reference
+    llm = LLM(smollm2, device="cpu", dtype="float32", max_model_len=512, quantization="gguf")
+    proj = llm.engine.executor.model.layers[0].mlp.down_proj
+    assert isinstance(proj, GGUFLinear) and proj.parts[0].type_name == "Q4_1"
+    assert sum(t.numel() * t.element_size() for t in proj.parts[0].tensors()) == 576 * 1536 // 32 * 20
+    assert llm.engine.quantization == "gguf (packed blocks)"
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 16)
     llm.shutdown()
 
 
@@ -191,9 +209,12 @@ def _tiny_gguf(path, types: dict[str, int], arch: str = "llama") -> str:
     return str(path)
 
 
-def test_every_supported_type_loads_as_transformers_loads_it(tmp_path):
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_every_supported_type_loads_as_transformers_loads_it(tmp_path, quantization):
     """Each supported tensor type, in one tiny model (q and k permuted, 2 KV
-    heads), gives transformers' greedy tokens and logprobs."""
+    heads), gives transformers' greedy tokens and logprobs: dequantized at
+    load (the CPU's default), and kept packed ("gguf"), where fused
+    projections mix block formats and floats."""
     from transformers import AutoModelForCausalLM
 
     from headrace.config import EngineArgs
@@ -205,7 +226,12 @@ def test_every_supported_type_loads_as_transformers_loads_it(tmp_path):
              "1.attn_q.weight": Q6_K, "1.attn_k.weight": Q4_K, "1.ffn_down.weight": Q4_K}
     path = _tiny_gguf(tmp_path / "tiny.gguf", types)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
-    core = EngineCore(EngineArgs(model=path, device="cpu", dtype="float32", max_model_len=128))
+    core = EngineCore(EngineArgs(model=path, device="cpu", dtype="float32", max_model_len=128,
+                                 quantization=quantization))
+    qkv = core.executor.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GGUFLinear) == (quantization == "gguf")
+    if quantization:  # Q4_K, Q6_K, Q4_0: three runs of one format
+        assert [getattr(p, "type_name", None) for p in qkv.parts] == ["Q4_K", "Q6_K", "Q4_0"]
     prompts = [[5, 17, 200, 3, 99], [250, 1, 42]]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     for i, p in enumerate(prompts):
