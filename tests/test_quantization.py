@@ -176,3 +176,26 @@ def test_bad_quantized_checkpoints_are_refused_by_name(checkpoint, tmp_path):
         LLM(str(src), dequantize_gguf=True, max_model_len=64)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not supported"):
         LLM(str(tmp_path / "ok"), tensor_parallel_size=2, max_model_len=64)
+
+
+def test_serve_quantization_fp8_answers_through_the_openai_client(checkpoint):
+    """`headrace serve --quantization fp8`: the openai client gets the FP8
+    reference's greedy text, and /metrics names the quantization."""
+    import openai
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.servers import Serve
+
+    path = checkpoint("qwen3")
+    ref = fp8_reference(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    server = Serve(path, "--quantization", "fp8", "--served-model-name", "tiny")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+        prompt = prompts_of_lengths(len(tokenizer), [20], seed=3)[0]
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+        assert out.choices[0].text == tokenizer.decode(hf_greedy(ref, prompt, 10), skip_special_tokens=True)
+        shown = "fp8 (e4m3, quantized at load, per-token activation scales)"
+        assert server.metric("headrace:quantization_info", quantization=shown) == 1
+    finally:
+        assert server.stop() == 0
