@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from headrace.kernels.device import num_sms
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or channel keeps a finite scale
@@ -72,9 +74,90 @@ def fp8_linear_ref(
     return F.linear((x_q.float() * x_scale).to(x.dtype), (weight.float() * weight_scale).to(x.dtype), bias)
 
 
+# Triton, for few rows (decode), where cuBLAS's FP8 GEMM reads the weights far
+# below the memory's rate: program (n tile, split) multiplies split's run of K
+# for all rows, the E4M3 values widened to bfloat16 (exactly) into a float32
+# dot; _fp8_scale_kernel adds the splits in a fixed order (no atomics) and
+# applies both scales and the bias, so the arithmetic is _scaled_mm's.
+@triton.jit
+def _widen(b, NATIVE: tl.constexpr):
+    """E4M3 bytes -> their values, exactly: bfloat16 on the GPU; float32 in
+    Triton's interpreter, which converts neither E4M3 nor bfloat16, so there
+    the bits are decoded by hand."""
+    if NATIVE:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    b = b.to(tl.int32)
+    e, m = (b >> 3) & 0xF, (b & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))  # 2^-9 m, (8 + m) 2^(e-10)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(xq_ptr, w_ptr, part_ptr, M, N, K, k_per_split, NATIVE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        x = tl.load(xq_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)
+        w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N] bytes
+        acc = tl.dot(_widen(x, NATIVE), _widen(w, NATIVE), acc)
+    tl.store(part_ptr + split * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_scale_kernel(part_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, num_splits,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, num_splits):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    m, n = offs // N, offs % N
+    acc = acc * tl.load(xs_ptr + m, mask=mask, other=0.0) * tl.load(ws_ptr + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+GEMV_MAX_ROWS = 16  # at most this many rows take the Triton kernel; more, torch._scaled_mm
+_GEMV_BLOCK_N, _GEMV_BLOCK_K = 64, 128
+
+
+def fp8_gemv(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """(x_q [M, K] E4M3 * x_scale [M, 1]) @ (weight [N, K] E4M3 * weight_scale [N, 1])^T + bias, M <= 16."""
+    m, k = x_q.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    tiles = triton.cdiv(n, _GEMV_BLOCK_N)
+    slices = triton.cdiv(k, _GEMV_BLOCK_K)
+    per_split = triton.cdiv(slices, min(slices, triton.cdiv(2 * num_sms(x_q.device), tiles)))
+    splits = triton.cdiv(slices, per_split)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x_q.device)
+    # E4M3 passed as its bytes: the kernel reinterprets them (as the interpreter can too)
+    _fp8_gemv_kernel[(tiles, splits)](x_q.view(torch.uint8), weight.view(torch.uint8), part, m, n, k,
+                                      per_split * _GEMV_BLOCK_K, NATIVE=x_q.is_cuda, BLOCK_M=16,
+                                      BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=_GEMV_BLOCK_K, num_warps=4)
+    block = 1024
+    _fp8_scale_kernel[(triton.cdiv(m * n, block),)](part, x_scale, weight_scale, bias if bias is not None else part,
+                                                   out, m, n, splits, HAS_BIAS=bias is not None, BLOCK=block)
+    return out
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     x_q, x_scale = quantize_rows_triton(x) if input_scale is None else quantize_static(x, input_scale)
+    if 0 < x.shape[0] <= GEMV_MAX_ROWS:
+        return fp8_gemv(x_q, x_scale, weight, weight_scale, bias, x.dtype)
     # weight.t() is column-major, as _scaled_mm wants its second operand.
     return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), bias=bias,
                             out_dtype=x.dtype)
