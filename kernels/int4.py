@@ -90,20 +90,32 @@ def int4_linear_ref(
     return F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, x.dtype), bias)
 
 
-# Triton: program (tile, split) computes a [BLOCK_M, BLOCK_N] tile of y from
-# split's run of BLOCK_K-wide slices of K. A slice lies in one group
-# (BLOCK_K divides G, or G = K), so it reads one row of scales and zeros.
-# Each int32 of qweight is loaded once and widened in registers to its 8
-# rows j: masking (qw >> 16 * (j // 4)) to its nibble at bit s = 4 * (j % 4)
-# and setting 0x4B000000 gives the float32 2^23 + q * 2^s, and
-# that * 2^-s - (2^(23 - s) + zero) is q - zero exactly (zero is an integer).
-# The scale multiplies the dequantized tile (as the reference rounds) or,
-# when few rows share the tile (SCALE_ACC), the dot's [BLOCK_M, BLOCK_N] result.
-# With K split (SPLIT) the program writes float32 partials [split_k, M, N] that
-# _sum_splits_kernel adds in a fixed order: no atomics, results reproducible.
+# Triton: program (tile, split) computes a [BLOCK_M, BLOCK_N] tile of y from split's run of
+# BLOCK_K-wide slices of K. A slice lies in one group (BLOCK_K divides G, or G = K), so it reads
+# one row of scales and zeros. Each int32 of qweight is loaded once and widened in registers to its
+# 8 rows j: (qw << 4 or qw >> 12) puts row j's nibble at bit s = 4 + 4 * (j % 4); keeping it and
+# the bits of 0x4B000000 gives the float32 2^23 + q * 2^s, and that * 2^-s - (2^(23 - s) + zero)
+# is q - zero exactly (zero is an integer): one AND and one FMA per weight. It stays 3-d
+# [BLOCK_K // 8, 8, BLOCK_N] until the reshape to [BLOCK_K, BLOCK_N], so each thread holds whole
+# int32s. The scale multiplies the widened tile (as the reference rounds) or, when few rows share
+# the tile (SCALE_ACC), the dot's [BLOCK_M, BLOCK_N] result. With K split (SPLIT) the programs
+# write float32 partials [split_k, M, N] that _sum_splits_kernel adds in a fixed order: no
+# atomics, so results are the same run to run.
+@triton.jit
+def _q_minus_zero(qw, zero):
+    """qw int32 [R, 1, N], zero float32 [1, 1, N] -> q - zero float32 [R, 8, N], row 8 r + j of the slice at [r, j]."""
+    j = tl.arange(0, 8)[None, :, None]
+    nibble = 0xF << (4 + 4 * (j % 4))
+    unit = ((123 - 4 * (j % 4)) << 23).to(tl.float32, bitcast=True)  # 2^-s
+    magic = ((146 - 4 * (j % 4)) << 23).to(tl.float32, bitcast=True)  # 2^(23 - s)
+    half = tl.where(j < 4, qw << 4, qw >> 12) | 0x4B000000  # rows 0..3 or 4..7 at bits 4..19
+    bits = half & (nibble | 0x4B000000)
+    return tl.fma(bits.to(tl.float32, bitcast=True), unit, -(magic + zero))
+
+
 @triton.jit(do_not_specialize=["M"])
-def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, group_size, k_per_split,
-                        stride_xm, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm,
+                        GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                         SCALE_ACC: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid, split = tl.program_id(0), tl.program_id(1)
@@ -121,10 +133,6 @@ def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
     offs_k8 = k_start // 8 + tl.arange(0, BLOCK_K // 8)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     qw_ptrs = qw_ptr + offs_k8[:, None, None].to(tl.int64) * N + offs_n[None, None, :]  # [BLOCK_K // 8, 1, BLOCK_N]
-    j = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]: row within a packed int32
-    high, nibble = 16 * (j // 4), 0xF << 4 * (j % 4)
-    unit = ((127 - 4 * (j % 4)) << 23).to(tl.float32, bitcast=True)  # 2^-s
-    magic = ((150 - 4 * (j % 4)) << 23).to(tl.float32, bitcast=True)  # 2^(23 - s)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
@@ -134,17 +142,16 @@ def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
             in_k8 = offs_k8 < (k_end - k0 + k_start) // 8
             x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < k_end - k0 + k_start)[None, :], other=0.0)
             qw = tl.load(qw_ptrs, mask=in_k8[:, None, None] & mask_n[None, None, :], other=0)
-        g_off = (k0 // group_size) * N + offs_n
-        zero = tl.load(z_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
-        scale = tl.load(s_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
-        bits = ((qw >> high) & nibble) | 0x4B000000  # [BLOCK_K // 8, 8, BLOCK_N]
-        w = tl.fma(bits.to(tl.float32, bitcast=True), unit, -(magic + zero[None, None, :]))
-        w = tl.reshape(w, (BLOCK_K, BLOCK_N))  # q - zero
+        g_off = (k0 // GROUP if GROUP else 0) * N + offs_n[None, None, :]  # [1, 1, BLOCK_N]
+        zero = tl.load(z_ptr + g_off, mask=mask_n[None, None, :], other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + g_off, mask=mask_n[None, None, :], other=0.0).to(tl.float32)
+        w = _q_minus_zero(qw, zero)  # [BLOCK_K // 8, 8, BLOCK_N]
         if SCALE_ACC:
-            part = tl.dot(x, w.to(x.dtype), input_precision="ieee" if IEEE else None)
-            acc += part * scale[None, :]
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)
+            part = tl.dot(x, w, input_precision="ieee" if IEEE else None)
+            acc += part * tl.reshape(scale, (1, BLOCK_N))
         else:
-            w = (w * scale[None, :]).to(x.dtype)
+            w = tl.reshape(w * scale, (BLOCK_K, BLOCK_N)).to(x.dtype)
             acc = tl.dot(x, w, acc, input_precision="ieee" if IEEE else None)
         x_ptrs += BLOCK_K
         qw_ptrs += (BLOCK_K // 8) * N
@@ -173,23 +180,28 @@ def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, split_k, HAS_BIAS: tl.
 class _Config(NamedTuple):
     block_m: int
     block_n: int
-    block_k: int
+    block_k: int  # at most G's largest power-of-two divisor (G = K: any)
     num_warps: int
     num_stages: int
     scale_acc: bool  # scale the dot's result (few rows) rather than the dequantized tile
     split_k: int = 0  # 0: enough K splits to give every SM about two programs
+    max_regs: int | None = None  # registers per thread, so two programs fit on an SM
 
 
-# By the largest M of each bucket. Decode (M <= 16) is bound by reading the
-# weights: small tiles, split K so every SM streams. Prefill is bound by the
-# tensor cores: large tiles, so each dequantized tile serves many rows.
+# By the largest M of each bucket, the fastest of benchmarks/int4_kernel.py's candidates on an H100.
+# Decode (M <= 16) is bound by reading and widening the weights: small tiles, K split so every SM
+# has programs. Prefill is bound by the tensor cores: large tiles, so a widened tile serves many
+# rows, and two programs per SM, one widening its tile while the other multiplies. block_n stays
+# below the thread count (32 * num_warps): beyond it Triton gives the zero and scale loads one
+# element per thread, the dequantization follows that layout and its shared-memory stores stop
+# being vectorized.
 _CONFIGS = (
-    (16, _Config(16, 64, 128, 4, 4, True)),
-    (32, _Config(32, 64, 128, 4, 4, True)),
-    (64, _Config(64, 64, 128, 4, 4, True)),
-    (128, _Config(64, 128, 64, 4, 4, False)),
-    (256, _Config(128, 128, 64, 8, 3, False)),
-    (None, _Config(128, 256, 64, 8, 3, False, 1)),
+    (16, _Config(16, 64, 128, 4, 3, True)),
+    (32, _Config(32, 64, 128, 4, 3, False)),
+    (64, _Config(64, 64, 128, 4, 3, False)),
+    (128, _Config(128, 64, 64, 4, 3, False)),
+    (256, _Config(128, 64, 64, 4, 3, False)),
+    (None, _Config(128, 128, 64, 8, 3, False, 1, 128)),
 )
 
 
@@ -215,10 +227,11 @@ def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg:
     part = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else scales
     _int4_linear_kernel[(tiles, split_k)](
-        x, qweight, scales, zeros, bias_arg, part, m, n, k, group_size, slices_per_split * block_k, x.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % block_k == 0, SCALE_ACC=cfg.scale_acc, IEEE=x.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        x, qweight, scales, zeros, bias_arg, part, m, n, k, slices_per_split * block_k, x.stride(0),
+        GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        EVEN_K=k % block_k == 0, SCALE_ACC=cfg.scale_acc, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
     if split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, split_k,
@@ -230,6 +243,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
     """int4_linear_ref's result in one or two launches; x's last dimension must be contiguous."""
     _check_input(x, qweight, scales, zeros, group_size, bias)
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if x.stride(-1) != 1:
         raise ValueError("x must be contiguous in its last dimension")
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]

@@ -274,10 +274,32 @@ def test_fp8_linear_matches_its_reference(m, k, n, bias):
     assert err < 1e-2, f"relative error {err:.2e}"
 
 
+def logprob_gaps(llm, ref, label: str) -> tuple[float, float]:
+    """(mean, max) |logprob| difference between the engine and ref (float32),
+    over every prompt token and 8 greedy decode tokens (decode batches take
+    the few-rows kernels; prefill the GEMM ones)."""
+    prompts = prompts_of_lengths(llm.engine.model_config.vocab_size, [17, 64, 150], seed=9)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    diffs = []
+    for p, out in zip(prompts, outs):
+        c = out.outputs[0]
+        ids = p + c.token_ids
+        with torch.no_grad():
+            lp = ref(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        diffs += [abs(entry[p[i]].logprob - lp[i - 1, p[i]].item())
+                  for i, entry in enumerate(out.prompt_logprobs[1:], 1)]
+        diffs += [abs(entry[t].logprob - lp[len(p) + j - 1, t].item())
+                  for j, (t, entry) in enumerate(zip(c.token_ids, c.logprobs))]
+    mean, top = sum(diffs) / len(diffs), max(diffs)
+    print(f"{label}: logprob difference mean {mean:.4f} max {top:.4f}")
+    return mean, top
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp8_engine_close_to_the_dequantized_reference(arch, checkpoint):
-    """quantization='fp8' in bf16 with CUDA graphs: prompt logprobs close to the
-    FP8 arithmetic done in float32 by transformers (tests/test_quantization.py)."""
+    """quantization='fp8' in bf16 with CUDA graphs: logprobs close to the FP8
+    arithmetic done in float32 by transformers (tests/test_quantization.py)."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_quantization import fp8_reference
@@ -286,16 +308,44 @@ def test_fp8_engine_close_to_the_dequantized_reference(arch, checkpoint):
     ref = fp8_reference(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval())
     llm = LLM(path, device="cuda", dtype="bfloat16", quantization="fp8", max_model_len=256)
     assert llm.engine.executor.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
-    prompts = prompts_of_lengths(llm.engine.model_config.vocab_size, [17, 64, 150], seed=9)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    diffs = []
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            lp = ref(torch.tensor([p])).logits[0].float().log_softmax(-1)
-        diffs += [abs(entry[p[i]].logprob - lp[i - 1, p[i]].item())
-                  for i, entry in enumerate(out.prompt_logprobs[1:], 1)]
-    print(f"fp8 {arch}: prompt logprob difference mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.4f}")
-    # Measured on an H100: mean 0.05-0.07, max 0.23-0.37. Activations in bf16 round to FP8 differently
-    # from float32 ones now and then (one E4M3 step is 6%), which the max shows; a wrong scale or layout
-    # moves logprobs by whole units.
-    assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.6
+    mean, top = logprob_gaps(llm, ref, f"fp8 {arch}")
+    # Measured on an H100 (prompt tokens): mean 0.05-0.07, max 0.23-0.37. Activations in bf16 round to
+    # FP8 differently from float32 ones now and then (one E4M3 step is 6%), which the max shows; a
+    # wrong scale or layout moves logprobs by whole units.
+    assert mean < 0.1 and top < 0.6
+
+
+@pytest.mark.parametrize("fmt, opts", [("awq", dict(group=32)), ("gptq", dict(group=16, sym=False, desc_act=True)),
+                                       ("gptq", dict(group=-1))])
+def test_int4_engine_close_to_the_dequantized_reference(fmt, opts, checkpoint, tmp_path):
+    """AWQ and GPTQ checkpoints in bf16 with CUDA graphs through the Triton
+    w4a16 kernel: logprobs close to transformers on the dequantized weights."""
+    from tests.quant_checkpoints import quantize_checkpoint
+    from tests.test_quantization import reference
+
+    src = checkpoint("qwen3")
+    deq = quantize_checkpoint(src, tmp_path / fmt, fmt, **opts)
+    llm = LLM(str(tmp_path / fmt), device="cuda", dtype="bfloat16", max_model_len=256)
+    mean, top = logprob_gaps(llm, reference(src, deq), f"{fmt} {opts}")
+    # bf16 activations and scales against float32: the same size of error as bf16 weights.
+    assert mean < 0.05 and top < 0.3
+
+
+def test_packed_gguf_engine_close_to_transformers(tmp_path):
+    """Every supported GGUF block format kept packed (the GPU's default), in
+    bf16 with CUDA graphs: logprobs close to transformers' float32 dequantized model."""
+    from transformers import AutoModelForCausalLM
+
+    from headrace.executor.models.quant import GGUFLinear
+    from tests.test_gguf import BF16, F16, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, _tiny_gguf
+
+    types = {"token_embd.weight": F16, "0.attn_q.weight": Q4_K, "0.attn_k.weight": Q6_K, "0.attn_v.weight": Q4_0,
+             "0.attn_output.weight": Q4_1, "0.ffn_gate.weight": Q8_0, "0.ffn_up.weight": BF16,
+             "1.attn_q.weight": Q6_K, "1.attn_k.weight": Q4_K, "1.ffn_down.weight": Q4_K,
+             "1.ffn_gate.weight": Q4_1, "1.ffn_up.weight": Q4_1}
+    path = _tiny_gguf(tmp_path / "tiny.gguf", types)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=256)
+    assert isinstance(llm.engine.executor.model.layers[1].mlp.gate_up_proj, GGUFLinear)
+    mean, top = logprob_gaps(llm, ref, "gguf packed")
+    assert mean < 0.05 and top < 0.3

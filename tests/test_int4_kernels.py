@@ -102,15 +102,17 @@ def test_int4_linear(m, k, n, g, dtype):
 
 
 @pytest.mark.parametrize("m", [5, 33])
-def test_every_config_and_split(m):
-    """Each config of the table on one shape, with K split 1 or 3 ways, and the
-    float32 partials left in torch.empty's memory never read."""
+def test_every_config_and_split(m, monkeypatch):
+    """Each config of the table on one shape, with K split 1 or 3 ways; torch.empty
+    returns NaN-filled memory, so an output or partial left unwritten shows."""
     k, n, g = 384, 72, 64
     qweight, scales, zeros = _layer(k, n, g, torch.float16, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEVICE)
     bias = torch.randn(n).half().to(DEVICE)
     want = int4_linear_ref(x, qweight, scales, zeros, g, bias)
     w = dequantize_int4(qweight, scales, zeros, g, torch.float16)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
     for _, cfg in _CONFIGS:
         for split_k in (1, 3):
             _assert_near(_launch(x, qweight, scales, zeros, g, bias, cfg._replace(split_k=split_k)), want, x, w)
@@ -149,3 +151,5 @@ def test_bad_input(fn):
     if fn is int4_linear:
         with pytest.raises(ValueError, match="contiguous in its last dimension"):
             fn(torch.randn(k, 2, device=DEVICE).t(), qweight, scales, zeros, g, None)
+        with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+            fn(x.double(), qweight, scales, zeros, g, None)

@@ -1,0 +1,122 @@
+"""int4_linear (kernels/int4.py) on Qwen3-8B's projection shapes, against its floor and bf16 F.linear.
+
+    python3 benchmarks/int4_kernel.py [--ms 1,16,64,256,2048] [--shapes 4096x4096] [--group 128] [--sweep]
+
+For (N, K) in 4096x4096 (o_proj), 12288x4096 (gate or up) and 4096x12288
+(down), group size 128, bf16 activations, and M tokens: microseconds per
+call, timed as CUDA-graph replays of calls that cycle through enough copies
+of the weights that none is still in L2 (as in a model, where each layer's
+weights are read once per step). The floor is the packed weight, scales,
+zeros, x and y bytes at the copy bandwidth, or 2 M N K FLOPs at the bf16
+matmul rate, whichever is longer, both measured in the same run; the peer is
+F.linear with bf16 weights, timed the same way. err is the largest
+difference from int4_linear_ref relative to the largest output. --sweep also
+times the candidate configs of each M bucket.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from benchmarks_common import measure_ceilings
+
+from headrace.kernels.int4 import _Config, _launch, _pick_config, int4_linear, int4_linear_ref
+
+SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]  # (N, K)
+L2_BYTES = 50 * 2**20
+C = _Config
+# Candidates per M bucket for --sweep: (block_m, block_n, block_k, num_warps, num_stages, scale_acc, split_k, regs).
+SWEEP = {
+    16: [C(16, 64, 128, 4, 3, True), C(16, 32, 128, 2, 3, True), C(16, 64, 128, 4, 3, False), C(16, 64, 128, 4, 2, True),
+         C(16, 64, 128, 4, 3, True, 4), C(16, 64, 128, 4, 3, True, 8), C(16, 64, 128, 4, 3, True, 16),
+         C(16, 128, 128, 8, 3, True)],
+    32: [C(32, 64, 64, 4, 3, False), C(32, 64, 128, 4, 3, True), C(32, 64, 128, 4, 3, False), C(16, 64, 128, 4, 3, True),
+         C(32, 64, 64, 4, 4, False)],
+    64: [C(64, 64, 64, 4, 4, False), C(64, 64, 64, 4, 3, False), C(64, 128, 64, 8, 3, False), C(64, 64, 128, 4, 3, False),
+         C(32, 64, 64, 4, 3, False)],
+    128: [C(128, 64, 64, 4, 3, False), C(64, 64, 64, 4, 4, False), C(64, 128, 64, 8, 3, False),
+          C(128, 128, 64, 8, 3, False, 0, 128)],
+    256: [C(128, 64, 64, 4, 3, False), C(128, 64, 64, 4, 3, False, 1), C(128, 128, 64, 8, 3, False, 0, 128),
+          C(128, 64, 64, 4, 4, False), C(64, 64, 64, 4, 4, False)],
+    None: [C(128, 128, 64, 8, 3, False, 1, 128), C(128, 256, 64, 16, 3, False, 1), C(256, 128, 64, 16, 3, False, 1),
+           C(128, 256, 64, 16, 4, False, 1), C(256, 128, 64, 16, 4, False, 1), C(128, 64, 64, 4, 3, False, 1),
+           C(256, 128, 64, 8, 3, False, 1)],
+}
+
+
+def int4_layers(n: int, k: int, group: int, count: int, gen: torch.Generator):
+    """count independent (qweight, scales, zeros) on the GPU, random over the whole 4-bit range."""
+    out = []
+    for _ in range(count):
+        qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, dtype=torch.int32)
+        scales = torch.rand(k // group, n, generator=gen) * 0.002 + 0.0005
+        zeros = torch.randint(0, 16, (k // group, n), generator=gen)
+        out.append((qweight.cuda(), scales.to(torch.bfloat16).cuda(), zeros.to(torch.bfloat16).cuda()))
+    return out
+
+
+def per_call_us(calls: list, replays: int = 10) -> float:
+    """Median time of one call, from CUDA-graph replays of all the calls in turn."""
+    for call in calls:  # compiles outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def bucket(m: int):
+    return next(limit for limit in SWEEP if limit is None or m <= limit)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ms", default="1,16,64,256,2048")
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,...")
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    bw, rate = measure_ceilings("cuda")
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    print(f"{'N x K':>12} {'M':>5} {'int4 us':>8} {'floor us':>8} {'x floor':>7} {'bf16 us':>8} {'int4/bf16':>9}"
+          f" {'err':>8}  config")
+    gen = torch.Generator().manual_seed(0)
+    for shape in args.shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        g = args.group
+        w_bytes = k * n // 2 + 2 * (k // g) * n * 2
+        layers = int4_layers(n, k, g, max(2, -(-4 * L2_BYTES // w_bytes)), gen)
+        dense = [torch.randn(n, k, generator=gen).to(torch.bfloat16).cuda() * 0.02
+                 for _ in range(max(2, -(-4 * L2_BYTES // (2 * n * k))))]
+        for m in map(int, args.ms.split(",")):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+            got = int4_linear(x, *layers[0], g, None)
+            want = int4_linear_ref(x, *layers[0], g, None)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            floor = max((w_bytes + 2 * m * (k + n)) / bw, 2 * m * n * k / rate) * 1e6
+            peer = per_call_us([lambda w=w: F.linear(x, w) for w in dense])
+            picked = _pick_config(m)
+            configs = [picked] + [c for c in SWEEP[bucket(m)] if c != picked] if args.sweep else [picked]
+            for cfg in configs:
+                t = per_call_us([lambda lay=lay: _launch(x, *lay, g, None, cfg) for lay in layers])
+                mark = "table" if cfg == picked else ""
+                print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
+                      f" {err:8.1e}  {tuple(cfg)} {mark}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
