@@ -21,6 +21,7 @@
 #   tp          benchmarks/tp_step.py (two GPUs): all-reduce by message size, decode steps at one GPU and two
 #   frontend    benchmarks/frontend_cost.py on the Qwen3-0.6B checkpoint's tokenizer (CPU only)
 #   beam        benchmarks/beam_search.py $BEAM_ARGS (default: the Qwen3-8B shape, 100 prompts, beam width 4)
+#   quantized   benchmarks/quantized.py $QUANTIZED_ARGS (bf16, fp8, int4 on the Qwen3-8B shape; its gguf part: as gguf)
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -61,6 +62,7 @@ for stage in "$@"; do
     frontend) python3 -c 'from benchmarks_common import qwen3_06b_checkpoint as c; print(c())' | tail -1 \
                 | xargs -I{} python3 benchmarks/frontend_cost.py --model {} 2>&1 | tee "$out/frontend_cost.log" ;;
     beam) python3 benchmarks/beam_search.py ${BEAM_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/beam_search.log" ;;
+    quantized) python3 benchmarks/quantized.py ${QUANTIZED_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/quantized.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
