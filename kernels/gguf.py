@@ -2,24 +2,35 @@
 
 Formats Q8_0, Q4_0, Q4_1 (blocks of 32) and Q4_K, Q6_K (super-blocks of 256);
 checkpoint/gguf_quants.py documents ggml's block layouts. pack_gguf splits a
-weight's raw blocks once into one array per field, with the file's bits and
-bytes (W is [N, K]; G = K / 32 groups, S = K / 256 super-blocks per row):
+weight's raw blocks once into one array per field (W is [N, K]; G = K / 32
+blocks, S = K / 256 super-blocks per row):
 
-    Q8_0  qs int8 [N, K]                   d float16 [N, G]
-    Q4_0  qs uint8 [N, K / 2]              d float16 [N, G]
-    Q4_1  qs uint8 [N, K / 2]              d, m float16 [N, G]
-    Q4_K  qs uint8 [N, K / 2]              scales uint8 [N, 12 S]   d, m (dmin) float16 [N, S]
-    Q6_K  qs (ql) uint8 [N, K / 2]         qh uint8 [N, K / 4]      scales int8 [N, K / 16]   d float16 [N, S]
+    Q8_0  qs int8 [N, K]             d float16 [N, G]
+    Q4_0  qs uint8 [N, K / 2]        d float16 [N, G]
+    Q4_1  qs uint8 [N, K / 2]        d float16 [N, G, 2]: (d, m)
+    Q4_K  qs uint8 [N, K / 2]        d float16 [N, S, 2]: (d, dmin)    scales int32 [N, S, 3]
+    Q6_K  qs (ql) uint8 [N, K / 2]   qh uint8 [N, K / 4]   scales int8 [N, S, 16]   d float32 [N, S]
 
-The kernels see every format as G groups per row: group g holds 16 "low"
-elements at columns base(g) + t and 16 "high" ones at base(g) + HI + t
-(t = 0..15), read from bytes 16 g + t of qs (Q8_0: bytes 32 g + t and
-32 g + 16 + t). In the 32-blocks, base = 32 g and HI = 16 (a byte's low and
-high nibble); in Q4_K, base = 64 (i // 2) + 16 (i % 2) and HI = 32; in Q6_K,
-base = 128 (i // 4) + 16 (i % 4) and HI = 64 (plus 256 s, for g = 8 s + i).
+Every field keeps the file's bits and its size, with two exceptions made so
+that each of the kernels' loads is at least 4 aligned bytes: Q4_K's twelve
+bytes of 6-bit scales and mins are regrouped into 3 words (pair r = 0..3 of
+sub-blocks 2r, 2r + 1 has its values v0..v3 = scale 2r, min 2r, scale 2r + 1,
+min 2r + 1: low 4 bits of v_j at bit 16 (r % 2) + 4 j of word r // 2, top 2
+bits at bit 8 r + 2 j of word 2), and Q6_K's d is float32 (2 bytes more per
+210). The quantized values themselves are the file's bytes.
+
+The kernels read a row of qs in units of W bytes (W = 8 or 16). The unit at
+byte p of the row holds W "low" elements at columns col(p) + t, t < W, and
+W "high" ones at col(p) + HI + t: the two nibbles of a byte (Q8_0: bytes
+col(p) + t and col(p) + 16 + t). In the 32-blocks, col(p) = 32 (p // 16) +
+p % 16 and HI = 16; in Q4_K (a super-block's 128 bytes are 4 runs of 32 whose
+low nibbles are sub-block 2r and high ones 2r + 1), col(p) = 256 s + 64 r + l
+and HI = 32; in Q6_K, col(p) = 256 s + 128 h + l and HI = 64 (s the
+super-block, r, h and l the run, half and position in it).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,10 +48,10 @@ class _Format(NamedTuple):
     code: int  # the kernels' FMT
     block: int  # elements per block
     size: int  # bytes per block
-    hi: int  # the high half's column offset within a group (HI above)
+    hi: int  # the high elements' column offset within a unit (HI above)
 
 
-FORMATS = {
+FORMATS = {  # the formats with a packed kernel
     "Q8_0": _Format(0, 32, 34, 16), "Q4_0": _Format(1, 32, 18, 16), "Q4_1": _Format(2, 32, 20, 16),
     "Q4_K": _Format(3, 256, 144, 32), "Q6_K": _Format(4, 256, 210, 64),
 }
@@ -51,24 +62,54 @@ class PackedGGUF:
     """A weight [N, K] in a GGUF block format, one array per field (layouts in the module docstring)."""
     type_name: str
     shape: tuple[int, int]  # (N, K)
-    qs: torch.Tensor  # quantized values: int8 [N, K] (Q8_0) or uint8 [N, K / 2]
-    d: torch.Tensor  # float16 [N, G] or [N, S]: the block scales
-    m: torch.Tensor | None = None  # float16: Q4_1's m [N, G], Q4_K's dmin [N, S]
-    scales: torch.Tensor | None = None  # Q4_K: uint8 [N, 12 S]; Q6_K: int8 [N, K / 16]
+    qs: torch.Tensor  # the quantized values: int8 [N, K] (Q8_0) or uint8 [N, K / 2]
+    d: torch.Tensor  # the block scales (with Q4_1's m and Q4_K's dmin)
+    scales: torch.Tensor | None = None  # Q4_K: int32 [N, S, 3]; Q6_K: int8 [N, S, 16]
     qh: torch.Tensor | None = None  # Q6_K: uint8 [N, K / 4], the top 2 bits
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qs, self.d, self.m, self.scales, self.qh) if t is not None]
+        return [t for t in (self.qs, self.d, self.scales, self.qh) if t is not None]
 
     def to(self, device: torch.device | str) -> PackedGGUF:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return PackedGGUF(self.type_name, self.shape, move(self.qs), move(self.d), move(self.m),
-                          move(self.scales), move(self.qh))
+        return PackedGGUF(self.type_name, self.shape, move(self.qs), move(self.d), move(self.scales), move(self.qh))
 
 
 def packed_nbytes(p: PackedGGUF) -> int:
-    """Bytes p holds on its device (the file's bytes for the same tensor)."""
+    """Bytes p holds on its device."""
     return sum(t.numel() * t.element_size() for t in p.tensors())
+
+
+def _k4_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The file's [N, S, 12] scale bytes -> six-bit scales and mins, int32 [N, S, 8] each."""
+    p = packed.to(torch.int32)
+    a, b, c = p[..., 0:4], p[..., 4:8], p[..., 8:12]
+    scales = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], dim=-1)
+    mins = torch.cat([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], dim=-1)
+    return scales, mins
+
+
+def _k4_shifts(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r, j = torch.arange(4, device=device)[:, None], torch.arange(4, device=device)  # pair, value
+    return r, 16 * (r % 2) + 4 * j, 8 * r + 2 * j  # [4, 1], [4, 4], [4, 4]
+
+
+def _k4_regroup(packed: torch.Tensor) -> torch.Tensor:
+    """The file's [N, S, 12] scale bytes -> the kernels' int32 [N, S, 3] (module docstring)."""
+    sc, mn = _k4_scales_mins(packed)
+    v = torch.stack([sc[..., 0::2], mn[..., 0::2], sc[..., 1::2], mn[..., 1::2]], dim=-1).long()  # [N, S, r, j]
+    r, lo_at, hi_at = _k4_shifts(packed.device)
+    lo = ((v & 15) << lo_at).sum(-1)  # [N, S, 4]: each pair's 16 bits in place
+    words = torch.cat([lo[..., 0::2] + lo[..., 1::2], ((v >> 4) << hi_at).sum((-1, -2))[..., None]], dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _k4_ungroup(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 [N, S, 3] -> six-bit scales and mins, int64 [N, S, 8] each."""
+    w = words.long() & 0xFFFFFFFF
+    r, lo_at, hi_at = _k4_shifts(words.device)
+    v = ((w[..., r // 2] >> lo_at) & 15) | (((w[..., 2:3, None] >> hi_at) & 3) << 4)  # [N, S, r, j]
+    return v[..., 0::2].flatten(-2), v[..., 1::2].flatten(-2)  # (scale, min) of sub-blocks 2r, 2r + 1
 
 
 def pack_gguf(type_name: str, raw: torch.Tensor, shape: tuple[int, int]) -> PackedGGUF:
@@ -85,23 +126,23 @@ def pack_gguf(type_name: str, raw: torch.Tensor, shape: tuple[int, int]) -> Pack
     if raw.dtype != torch.uint8 or raw.numel() != n * row_bytes:
         raise ValueError(f"{type_name} weight of shape ({n}, {k}) needs {n} x {row_bytes} uint8 bytes, "
                          f"got {raw.dtype} {tuple(raw.shape)}")
-    blocks = raw.reshape(n, k // fmt.block, fmt.size)  # [N, blocks per row, type_size]
+    nb = k // fmt.block
+    blocks = raw.reshape(n, nb, fmt.size)  # [N, blocks per row, type_size]
 
-    def field(start: int, stop: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        per_row = k // fmt.block * (stop - start) // dtype.itemsize
-        return blocks[:, :, start:stop].contiguous().view(dtype).reshape(n, per_row)
+    def field(start: int, stop: int, dtype: torch.dtype, *dims: int) -> torch.Tensor:  # -> [N, *dims]
+        return blocks[:, :, start:stop].contiguous().view(dtype).reshape(n, *dims)
 
     if type_name == "Q8_0":
-        return PackedGGUF(type_name, (n, k), field(2, 34, torch.int8), field(0, 2, torch.float16))
+        return PackedGGUF(type_name, (n, k), field(2, 34, torch.int8, k), field(0, 2, torch.float16, nb))
     if type_name == "Q4_0":
-        return PackedGGUF(type_name, (n, k), field(2, 18), field(0, 2, torch.float16))
+        return PackedGGUF(type_name, (n, k), field(2, 18, torch.uint8, k // 2), field(0, 2, torch.float16, nb))
     if type_name == "Q4_1":
-        return PackedGGUF(type_name, (n, k), field(4, 20), field(0, 2, torch.float16), field(2, 4, torch.float16))
+        return PackedGGUF(type_name, (n, k), field(4, 20, torch.uint8, k // 2), field(0, 4, torch.float16, nb, 2))
     if type_name == "Q4_K":
-        return PackedGGUF(type_name, (n, k), field(16, 144), field(0, 2, torch.float16),
-                          field(2, 4, torch.float16), scales=field(4, 16))
-    return PackedGGUF(type_name, (n, k), field(0, 128), field(208, 210, torch.float16),
-                      scales=field(192, 208, torch.int8), qh=field(128, 192))
+        return PackedGGUF(type_name, (n, k), field(16, 144, torch.uint8, k // 2), field(0, 4, torch.float16, nb, 2),
+                          scales=_k4_regroup(field(4, 16, torch.uint8, nb, 12)))
+    return PackedGGUF(type_name, (n, k), field(0, 128, torch.uint8, k // 2), field(208, 210, torch.float16, nb).float(),
+                      scales=field(192, 208, torch.int8, nb, 16), qh=field(128, 192, torch.uint8, k // 4))
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -110,37 +151,29 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack([q & 0x0F, q >> 4], dim=-2)
 
 
-def _k4_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, S, 12] bytes -> six-bit scales and mins, int32 [N, S, 8] each."""
-    p = packed.to(torch.int32)
-    a, b, c = p[..., 0:4], p[..., 4:8], p[..., 8:12]
-    scales = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], dim=-1)
-    mins = torch.cat([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], dim=-1)
-    return scales, mins
-
-
 def dequantize_gguf(p: PackedGGUF, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """-> W [N, K] in dtype, computed in float32 with ggml's operations in ggml's order, then cast."""
     n, k = p.shape
     g, s = k // 32, k // 256
-    d = p.d.float()[..., None]  # [N, blocks, 1]
     if p.type_name == "Q8_0":
-        w = p.qs.float().reshape(n, g, 32) * d
+        w = p.qs.float().reshape(n, g, 32) * p.d.float()[..., None]
     elif p.type_name in ("Q4_0", "Q4_1"):
         q = _nibbles(p.qs.reshape(n, g, 16)).reshape(n, g, 32).float()  # [N, G, 32]
-        w = (q - 8.0) * d if p.type_name == "Q4_0" else q * d + p.m.float()[..., None]
+        d = p.d.float() if p.type_name == "Q4_1" else p.d.float()[..., None]  # [N, G, 2] (d, m) or [N, G, 1]
+        w = (q - 8.0) * d if p.type_name == "Q4_0" else q * d[..., :1] + d[..., 1:]
     elif p.type_name == "Q4_K":
-        sc, mn = _k4_scales_mins(p.scales.reshape(n, s, 12))  # [N, S, 8]
-        step = (d * sc.float())[..., None]  # [N, S, 8, 1]
-        offset = (p.m.float()[..., None] * mn.float())[..., None]  # [N, S, 8, 1]
+        sc, mn = _k4_ungroup(p.scales)  # [N, S, 8]
+        d = p.d.float()  # [N, S, 2]
+        step = (d[..., :1] * sc.float())[..., None]  # [N, S, 8, 1]
+        offset = (d[..., 1:] * mn.float())[..., None]  # [N, S, 8, 1]
         q = _nibbles(p.qs.reshape(n, s, 4, 32)).reshape(n, s, 8, 32).float()
         w = q * step - offset
     else:  # Q6_K
         ql = _nibbles(p.qs.reshape(n, s, 2, 64)).reshape(n, s, 2, 4, 32)  # [N, S, half, k, 32]
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=p.qs.device)[:, None]
+        shifts = torch.arange(0, 8, 2, dtype=torch.int32, device=p.qs.device)[:, None]  # (no host copy: graphs)
         qh = (p.qh.reshape(n, s, 2, 1, 32).to(torch.int32) >> shifts) & 0x03  # [N, S, half, k, 32]
         q = ((ql | (qh << 4)) - 32).reshape(n, s, 16, 16).float()  # [N, S, 16, 16]
-        step = d * p.scales.reshape(n, s, 16).float()  # [N, S, 16]
+        step = p.d[..., None] * p.scales.float()  # [N, S, 16]
         w = q * step[..., None]
     return w.reshape(n, k).to(dtype)
 
@@ -171,100 +204,116 @@ def _exact_float(v, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _group_base(FMT: tl.constexpr, g):
-    """Group g -> the column of its first low element."""
+def _col(FMT: tl.constexpr, p):
+    """Byte p of a row of qs (Q8_0: of its low halves) -> the column of its low element."""
     if FMT == _Q4_K:
-        base = 256 * (g // 8) + 64 * ((g % 8) // 2) + 16 * (g % 2)
+        col = 256 * (p // 128) + 64 * ((p % 128) // 32) + p % 32
     elif FMT == _Q6_K:
-        base = 256 * (g // 8) + 128 * ((g % 8) // 4) + 16 * (g % 4)
+        col = 256 * (p // 128) + 128 * ((p % 128) // 64) + p % 64
     else:
-        base = 32 * g
-    return base
+        col = 32 * (p // 16) + p % 16
+    return col
 
 
 @triton.jit
-def _k4_scale_min(sc_ptr, row, sub, mask):
-    """Q4_K's six-bit scale and min of sub-block sub (0..7), row -> the super-block's first scale byte."""
-    lo4 = sub < 4
-    a = tl.load(sc_ptr + row + sub % 4, mask=mask, other=0).to(tl.int32)
-    b = tl.load(sc_ptr + row + 4 + sub % 4, mask=mask, other=0).to(tl.int32)
-    c = tl.load(sc_ptr + row + 8 + sub % 4, mask=mask, other=0).to(tl.int32)
-    sc = tl.where(lo4, a & 63, (c & 15) | ((a >> 6) << 4))
-    mn = tl.where(lo4, b & 63, (c >> 4) | ((b >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
+def _half(w, SHIFT: tl.constexpr):
+    """The float16 in bits SHIFT..SHIFT + 15 of int32 w, as float32."""
+    return ((w >> SHIFT) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _dequant_groups(FMT: tl.constexpr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, g, N, K, stride_qs, stride_qh):
-    """Rows n [BN] (int64), groups g [NB] -> their (low, high) elements, float32 [BN, NB, 16] each
-    (zeros outside the weight). Scales and mins are decoded per (row, group), then broadcast. The row
-    strides of qs and qh come as arguments so that Triton sees them divisible by 16 (16-byte loads)."""
-    t = tl.arange(0, 16)[None, None, :]
-    ok2 = (n < N)[:, None] & (g < K // 32)[None, :]  # [BN, NB]
+def _six_bits(lo_word, top_word, lo_at, top_at):
+    """A Q4_K scale or min: 4 bits at lo_at of lo_word, 2 at top_at of top_word."""
+    return (((lo_word >> lo_at) & 15) | (((top_word >> top_at) & 3) << 4)).to(tl.float32)
+
+
+@triton.jit
+def _dequant(FMT: tl.constexpr, W: tl.constexpr, EVEN_K: tl.constexpr, qs_ptr, d_ptr, sc_ptr, qh_ptr, n, v, N, K,
+             stride_qs, stride_qh, stride_d, stride_sc):
+    """Rows n [BN] (int64), units v [NU] of W bytes -> their (low, high) elements, float32 [BN, NU, W]
+    each (zeros outside the weight). Scales are decoded once per (row, unit) and broadcast over its
+    elements. Row strides come as arguments so that Triton sees which are multiples of 16; with EVEN_K
+    (no unit past the row's end) the masks are constant along rows, so short loads are still prefetched."""
+    t = tl.arange(0, W)[None, None, :]
+    if EVEN_K:
+        ok2 = tl.broadcast_to((n < N)[:, None], [n.shape[0], v.shape[0]])  # [BN, NU]
+    else:
+        ok2 = (n < N)[:, None] & (v < K // (2 * W))[None, :]
     ok = ok2[:, :, None]
-    n2, g2 = n[:, None], g[None, :]
+    n2, p = n[:, None], (v * W)[None, :]  # p: the unit's first byte in its row of qs
+    blk = n2 * stride_d + v[None, :] // (16 // W)  # a 32-block's d (written so Triton sees it contiguous in v)
     if FMT == _Q8_0:
-        at = qs_ptr + (n2 * stride_qs + 32 * g2)[:, :, None] + t
-        d = tl.load(d_ptr + n2 * (K // 32) + g2, mask=ok2, other=0.0).to(tl.float32)[:, :, None]
+        at = qs_ptr + (n2 * stride_qs + _col(FMT, p))[:, :, None] + t
+        d = tl.load(d_ptr + blk, mask=ok2, other=0.0).to(tl.float32)[:, :, None]
         lo = _exact_float(tl.load(at, mask=ok, other=0).to(tl.int32) + 128, 128) * d
         hi = _exact_float(tl.load(at + 16, mask=ok, other=0).to(tl.int32) + 128, 128) * d
     else:
-        b = tl.load(qs_ptr + (n2 * stride_qs + 16 * g2)[:, :, None] + t, mask=ok, other=0).to(tl.int32)
-        if FMT == _Q4_0 or FMT == _Q4_1:
-            blk = n2 * (K // 32) + g2
+        b = tl.load(qs_ptr + (n2 * stride_qs + p)[:, :, None] + t, mask=ok, other=0).to(tl.int32)
+        if FMT == _Q4_0:
             d = tl.load(d_ptr + blk, mask=ok2, other=0.0).to(tl.float32)[:, :, None]
-            if FMT == _Q4_0:
-                lo = _exact_float(b & 15, 8) * d
-                hi = _exact_float(b >> 4, 8) * d
-            else:
-                m = tl.load(m_ptr + blk, mask=ok2, other=0.0).to(tl.float32)[:, :, None]
-                lo = _exact_float(b & 15, 0) * d + m
-                hi = _exact_float(b >> 4, 0) * d + m
-        else:
-            sup = n2 * (K // 256) + g2 // 8  # [BN, NB]: the super-block
-            i = g2 % 8
-            d = tl.load(d_ptr + sup, mask=ok2, other=0.0).to(tl.float32)
-            if FMT == _Q4_K:
-                dmin = tl.load(m_ptr + sup, mask=ok2, other=0.0).to(tl.float32)
-                sc_lo, mn_lo = _k4_scale_min(sc_ptr, 12 * sup, 2 * (i // 2), ok2)
-                sc_hi, mn_hi = _k4_scale_min(sc_ptr, 12 * sup, 2 * (i // 2) + 1, ok2)
-                lo = _exact_float(b & 15, 0) * (d * sc_lo)[:, :, None] - (dmin * mn_lo)[:, :, None]
-                hi = _exact_float(b >> 4, 0) * (d * sc_hi)[:, :, None] - (dmin * mn_hi)[:, :, None]
-            else:  # Q6_K
-                half = i // 4
-                at_h = qh_ptr + (n2 * stride_qh + 64 * (g2 // 8) + 32 * half + 16 * (i % 2))[:, :, None] + t
-                qh = tl.load(at_h, mask=ok, other=0).to(tl.int32)
-                shift = (2 * ((i % 4) // 2))[:, :, None]
-                at_s = sc_ptr + 16 * sup + 8 * half + i % 4
-                s_lo = tl.load(at_s, mask=ok2, other=0).to(tl.float32)
-                s_hi = tl.load(at_s + 4, mask=ok2, other=0).to(tl.float32)
-                lo = _exact_float((b & 15) | (((qh >> shift) & 3) << 4), 32) * (d * s_lo)[:, :, None]
-                hi = _exact_float((b >> 4) | (((qh >> (shift + 4)) & 3) << 4), 32) * (d * s_hi)[:, :, None]
+            lo = _exact_float(b & 15, 8) * d
+            hi = _exact_float(b >> 4, 8) * d
+        elif FMT == _Q4_1:
+            dm = tl.load(d_ptr + blk, mask=ok2, other=0)  # (d, m) as one word
+            d, m = _half(dm, 0)[:, :, None], _half(dm, 16)[:, :, None]
+            lo = _exact_float(b & 15, 0) * d + m
+            hi = _exact_float(b >> 4, 0) * d + m
+        elif FMT == _Q4_K:
+            sup, r = p // 128, (p % 128) // 32  # super-block, run (pair of sub-blocks 2r, 2r + 1)
+            dm = tl.load(d_ptr + n2 * stride_d + sup, mask=ok2, other=0)
+            at_s = sc_ptr + n2 * stride_sc + 3 * sup
+            lo4 = tl.load(at_s + r // 2, mask=ok2, other=0)
+            top2 = tl.load(at_s + 2, mask=ok2, other=0)
+            sh, th = 16 * (r % 2), 8 * r
+            d, dmin = _half(dm, 0), _half(dm, 16)
+            lo_step, lo_off = d * _six_bits(lo4, top2, sh, th), dmin * _six_bits(lo4, top2, sh + 4, th + 2)
+            hi_step, hi_off = d * _six_bits(lo4, top2, sh + 8, th + 4), dmin * _six_bits(lo4, top2, sh + 12, th + 6)
+            lo = _exact_float(b & 15, 0) * lo_step[:, :, None] - lo_off[:, :, None]
+            hi = _exact_float(b >> 4, 0) * hi_step[:, :, None] - hi_off[:, :, None]
+        else:  # Q6_K
+            sup, h, r0 = p // 128, (p % 128) // 64, p % 64  # super-block, half, byte in the half's 64
+            qh = tl.load(qh_ptr + (n2 * stride_qh + 64 * sup + 32 * h + r0 % 32)[:, :, None] + t,
+                         mask=ok, other=0).to(tl.int32)
+            shift = (2 * (r0 // 32))[:, :, None]
+            d = tl.load(d_ptr + n2 * stride_d + sup, mask=ok2, other=0.0)
+            at_s = sc_ptr + n2 * stride_sc + 4 * sup + 2 * h  # the words of scales 8h..8h+3 and 8h+4..8h+7
+            byte = 24 - 8 * (r0 // 16)
+            s_lo = ((tl.load(at_s, mask=ok2, other=0) << byte) >> 24).to(tl.float32)
+            s_hi = ((tl.load(at_s + 1, mask=ok2, other=0) << byte) >> 24).to(tl.float32)
+            lo = _exact_float((b & 15) | (((qh >> shift) & 3) << 4), 32) * (d * s_lo)[:, :, None]
+            hi = _exact_float((b >> 4) | (((qh >> (shift + 4)) & 3) << 4), 32) * (d * s_hi)[:, :, None]
     return lo, hi
 
 
-# Triton, few rows (decode): program (row tile, K split, x row) streams BN
-# weight rows over its run of K, NB groups (32 NB columns) per step, with
-# float32 products summed per element and reduced once at the end.
+# Triton, one row of x (decode): program (row tile, K split, x row) streams BN
+# weight rows over its run of K, NU units of 8 bytes per step, summing float32
+# products per element and reducing once at the end. x is read in the weights'
+# register layout (no shuffle through shared memory): with X_ONCE as
+# [1, NU, 8], once per thread (when NU is 32 per warp or more, each thread
+# holds its units of every row), else as [BN, NU, 8] (a copy per row, from L1).
 @triton.jit
-def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, N, K, stride_xm,
-                      stride_qs, stride_qh, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_qs,
+                      stride_qh, stride_d, stride_sc, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr,
+                      BN: tl.constexpr, NU: tl.constexpr, EVEN_K: tl.constexpr, X_ONCE: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     num_rows = tl.num_programs(2)
     n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
-    t = tl.arange(0, 16)[None, :]
     first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, tl.cdiv(K // 32, NB))
-    acc = tl.zeros([BN, NB, 16], dtype=tl.float32)
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(K // 16, NU))
+    acc = tl.zeros([BN, NU, 8], dtype=tl.float32)
     for tile in range(first, last):
-        g = tile * NB + tl.arange(0, NB)
-        lo, hi = _dequant_groups(FMT, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, g, N, K, stride_qs, stride_qh)
-        at = x_ptr + row * stride_xm + _group_base(FMT, g)[:, None] + t  # [NB, 16]
-        in_k = (g < K // 32)[:, None]
+        v = tile * NU + tl.arange(0, NU)
+        lo, hi = _dequant(FMT, 8, EVEN_K, qs_ptr, d_ptr, sc_ptr, qh_ptr, n, v, N, K, stride_qs, stride_qh, stride_d,
+                          stride_sc)
+        at = x_ptr + row * stride_xm + _col(FMT, (8 * v)[None, :, None] + tl.arange(0, 8)[None, None, :])
+        in_k = (v < K // 16)[None, :, None]
+        shape: tl.constexpr = [1, NU, 8] if X_ONCE else [BN, NU, 8]
+        at, in_k = tl.broadcast_to(at, shape), tl.broadcast_to(in_k, shape)
         x_lo = tl.load(at, mask=in_k, other=0.0).to(tl.float32)
         x_hi = tl.load(at + HI, mask=in_k, other=0.0).to(tl.float32)
-        acc += lo * x_lo[None, :, :] + hi * x_hi[None, :, :]
+        acc += lo * x_lo
+        acc += hi * x_hi
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     if SPLIT:
         tl.store(out_ptr + (split * num_rows + row) * N + n, y, mask=n < N)
@@ -276,33 +325,35 @@ def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, bias_ptr, out
 
 # Triton, many rows: program (row tile of x, row tile of W, K split) computes
 # y^T's [BN, BM] tile as W_tile @ x_tile^T, so the dequantized weights are the
-# dot's first operand (wgmma can take it from registers) and few x rows still
-# fill the instruction's N. Each step is two dots: low and high halves.
+# dot's first operand (wgmma takes it from registers) and few x rows still fill
+# the instruction's N. A step is NU units of 16 bytes: two dots, low and high
+# elements. Every load is 4 bytes or more, so Triton can prefetch it stages ahead.
 @triton.jit(do_not_specialize=["M"])
-def _gguf_mm_kernel(x_ptr, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
-                    stride_qs, stride_qh, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                    NB: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def _gguf_mm_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_qs,
+                    stride_qh, stride_d, stride_sc, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr,
+                    BN: tl.constexpr, BM: tl.constexpr, NU: tl.constexpr, PRECISION: tl.constexpr,
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM).to(tl.int64)  # rows of x
     n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
-    j = tl.arange(0, NB * 16)
+    j = tl.arange(0, NU * 16)
     first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, tl.cdiv(K // 32, NB))
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(K // 32, NU))
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for tile in range(first, last):
-        g = tile * NB + tl.arange(0, NB)
-        lo, hi = _dequant_groups(FMT, qs_ptr, d_ptr, m_ptr, sc_ptr, qh_ptr, n, g, N, K, stride_qs, stride_qh)
-        lo = tl.reshape(lo, [BN, NB * 16]).to(x_ptr.dtype.element_ty)
-        hi = tl.reshape(hi, [BN, NB * 16]).to(x_ptr.dtype.element_ty)
-        gj = tile * NB + j // 16
-        at = x_ptr + rows[None, :] * stride_xm + (_group_base(FMT, gj) + j % 16)[:, None]  # [NB * 16, BM]
-        mask = (gj < K // 32)[:, None] & (rows < M)[None, :]
+        v = tile * NU + tl.arange(0, NU)
+        lo, hi = _dequant(FMT, 16, EVEN_K, qs_ptr, d_ptr, sc_ptr, qh_ptr, n, v, N, K, stride_qs, stride_qh, stride_d,
+                          stride_sc)
+        lo = tl.reshape(lo, [BN, NU * 16]).to(x_ptr.dtype.element_ty)
+        hi = tl.reshape(hi, [BN, NU * 16]).to(x_ptr.dtype.element_ty)
+        at = x_ptr + rows[None, :] * stride_xm + _col(FMT, tile * NU * 16 + j)[:, None]  # [NU * 16, BM]
+        mask = (tile * NU + j // 16 < K // 32)[:, None] & (rows < M)[None, :]
         acc = tl.dot(lo, tl.load(at, mask=mask, other=0.0), acc, input_precision=PRECISION)
         acc = tl.dot(hi, tl.load(at + HI, mask=mask, other=0.0), acc, input_precision=PRECISION)
     out_at = rows[None, :] * N + n[:, None]  # [BN, BM]
     mask = (rows < M)[None, :] & (n < N)[:, None]
     if SPLIT:
-        tl.store(out_ptr + split * M * N + out_at, acc, mask=mask)
+        tl.store(out_ptr + split.to(tl.int64) * M * N + out_at, acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
@@ -327,27 +378,43 @@ class _Config(NamedTuple):
     gemv: bool  # the CUDA-core kernel, one program per x row (else tl.dot tiles)
     block_n: int  # weight rows per program
     block_m: int  # x rows per program (tl.dot only)
-    groups: int  # 32-column groups per step (NB)
+    units: int  # units of qs per step (NU): of 8 bytes in the GEMV, of 16 in the tl.dot kernel
     num_warps: int
     num_stages: int
     split_k: int = 0  # 0: enough K splits to give every SM about two programs
+    x_once: bool = True  # GEMV: x read once per thread (see _gguf_gemv_kernel)
 
 
-# By the largest M of each bucket. Decode is bound by reading the packed
-# weights: narrow row tiles (and K splits where N is small) so every SM
-# streams. Prefill is bound by the tensor cores and by dequantizing: large
-# tiles, so each dequantized weight tile serves many rows of x.
+# Chosen from a sweep on an H100 (benchmarks/gguf_kernel.py --sweep). One x
+# row (decode) is bound by reading the packed weights: the GEMV, narrow row
+# tiles, with its layout per format. More rows: tl.dot tiles by the largest M
+# of each bucket, small ones with K split so every SM streams, large ones so
+# that each dequantized weight tile serves many rows of x.
+_DECODE = {
+    "Q8_0": _Config(True, 2, 1, 128, 2, 1, 0, False), "Q4_0": _Config(True, 4, 1, 64, 4, 1, 0, False),
+    "Q4_1": _Config(True, 4, 1, 64, 4, 1, 0, False), "Q4_K": _Config(True, 2, 1, 128, 2, 1),
+    "Q6_K": _Config(True, 2, 1, 128, 2, 1),
+}
 _CONFIGS = (
-    (1, _Config(True, 4, 1, 32, 4, 1)),
-    (16, _Config(False, 64, 16, 8, 4, 3)),
-    (64, _Config(False, 64, 64, 4, 4, 3)),
-    (256, _Config(False, 128, 64, 2, 4, 3, 1)),
-    (None, _Config(False, 128, 128, 2, 8, 3, 1)),
+    (16, _Config(False, 64, 16, 4, 4, 4)),
+    (64, _Config(False, 64, 64, 4, 4, 4)),
+    (256, _Config(False, 64, 128, 4, 4, 3, 1)),
+    (None, _Config(False, 128, 256, 4, 8, 2, 1)),
 )
 
 
-def _pick_config(m: int) -> _Config:
-    return next(cfg for limit, cfg in _CONFIGS if limit is None or m <= limit)
+@functools.cache
+def _roomy(device: torch.device) -> bool:
+    """Whether a program may take about 227 KB of shared memory (H100, H200, B200), as the large tiles do."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) in ((9, 0), (10, 0))
+
+
+def _pick_config(m: int, type_name: str, device: torch.device) -> _Config:
+    if m <= 1:
+        return _DECODE[type_name]
+    cfg = next(cfg for limit, cfg in _CONFIGS if limit is None or m <= limit)
+    # Elsewhere (99 KB on sm_86/89): tiles that take under 80 KB in every format and dtype.
+    return cfg if _roomy(device) else cfg._replace(block_n=64, block_m=min(cfg.block_m, 64), num_warps=4, num_stages=2)
 
 
 def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Config) -> torch.Tensor:
@@ -359,30 +426,32 @@ def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Con
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     fmt = FORMATS[p.type_name]
-    groups = min(cfg.groups, triton.next_power_of_2(k // 32))
+    width = 8 if cfg.gemv else 16  # bytes of qs per unit
+    units = min(cfg.units, triton.next_power_of_2(k // (2 * width)))
     tiles = triton.cdiv(n, cfg.block_n) * (m if cfg.gemv else triton.cdiv(m, cfg.block_m))
-    k_tiles = triton.cdiv(k // 32, groups)
+    k_tiles = triton.cdiv(k // (2 * width), units)
     split_k = cfg.split_k or triton.cdiv(2 * num_sms(x.device), tiles)
     tiles_per_split = triton.cdiv(k_tiles, min(split_k, k_tiles))
     split_k = triton.cdiv(k_tiles, tiles_per_split)
     part = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    dummy = p.d  # stands in for the pointers a format does not read
-    args = (x, p.qs, p.d, dummy if p.m is None else p.m, dummy if p.scales is None else p.scales,
-            dummy if p.qh is None else p.qh, dummy if bias is None else bias, part)
-    strides = (p.qs.stride(0), 16 if p.qh is None else p.qh.stride(0))
-    common = dict(FMT=fmt.code, HI=fmt.hi, NB=groups, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # Words the kernels read as int32: Q4_1's and Q4_K's (d, m) pairs, Q4_K's and Q6_K's scales.
+    d = p.d.view(torch.int32) if p.d.dim() == 3 else p.d
+    sc = p.d if p.scales is None else p.scales.view(torch.int32).reshape(n, -1)
+    qh = p.qs if p.qh is None else p.qh  # (p.qs, p.d stand in for what a format does not read)
+    args = (x, p.qs, d, sc, qh, p.d if bias is None else bias, part)
+    strides = (x.stride(0), p.qs.stride(0), qh.stride(0), d.stride(0), sc.stride(0), tiles_per_split)
+    common = dict(FMT=fmt.code, HI=fmt.hi, BN=cfg.block_n, NU=units, EVEN_K=k // (2 * width) % units == 0,
+                  HAS_BIAS=bias is not None, SPLIT=split_k > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.gemv:
-        grid = (triton.cdiv(n, cfg.block_n), split_k, m)
-        _gguf_gemv_kernel[grid](*args, n, k, x.stride(0), *strides, tiles_per_split, BN=cfg.block_n,
-                                **common)
+        _gguf_gemv_kernel[(triton.cdiv(n, cfg.block_n), split_k, m)](*args, n, k, *strides, X_ONCE=cfg.x_once,
+                                                                     **common)
     else:
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
-        _gguf_mm_kernel[grid](*args, m, n, k, x.stride(0), *strides, tiles_per_split, BN=cfg.block_n, BM=cfg.block_m,
+        _gguf_mm_kernel[grid](*args, m, n, k, *strides, BM=cfg.block_m,
                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
     if split_k > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, args[6], out, m * n, n, split_k,
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, args[5], out, m * n, n, split_k,
                                                          HAS_BIAS=bias is not None, BLOCK=block)
     return out
 
@@ -394,8 +463,11 @@ def gguf_linear(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None) -> to
     can be captured in a CUDA graph; results do not depend on the run.
     """
     _check_input(x, p, bias)
-    if x.stride(-1) != 1:
-        raise ValueError("x must be contiguous in its last dimension")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(-1) != 1:
+        raise ValueError(f"x must be float16, bfloat16 or float32, contiguous in its last dimension; got {x.dtype} "
+                         f"with strides {x.stride()}")
+    if p.qs.device != x.device:
+        raise ValueError(f"the weight is on {p.qs.device} and x on {x.device}")
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = _launch(x2, p, bias, _pick_config(x2.shape[0]))
+    out = _launch(x2, p, bias, _pick_config(x2.shape[0], p.type_name, x.device))
     return out.reshape(*x.shape[:-1], p.shape[0])
