@@ -80,12 +80,9 @@ def fp8_linear_ref(
 # dot; _fp8_scale_kernel adds the splits in a fixed order (no atomics) and
 # applies both scales and the bias, so the arithmetic is _scaled_mm's.
 @triton.jit
-def _widen(b, NATIVE: tl.constexpr):
-    """E4M3 bytes -> their values, exactly: bfloat16 on the GPU; float32 in
-    Triton's interpreter, which converts neither E4M3 nor bfloat16, so there
-    the bits are decoded by hand."""
-    if NATIVE:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+def _e4m3_bits_to_float(b):
+    """E4M3 bytes -> their values in float32, decoded by hand: Triton's
+    interpreter converts neither E4M3 nor bfloat16 (the GPU converts natively)."""
     b = b.to(tl.int32)
     e, m = (b >> 3) & 0xF, (b & 7).to(tl.float32)
     mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))  # 2^-9 m, (8 + m) 2^(e-10)
@@ -108,7 +105,11 @@ def _fp8_gemv_kernel(xq_ptr, w_ptr, part_ptr, M, N, K, k_per_split, NATIVE: tl.c
         x = tl.load(xq_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)
         w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N] bytes
-        acc = tl.dot(_widen(x, NATIVE), _widen(w, NATIVE), acc)
+        if NATIVE:  # the bytes as E4M3, widened exactly to bfloat16
+            acc = tl.dot(x.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16),
+                         w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(_e4m3_bits_to_float(x), _e4m3_bits_to_float(w), acc, input_precision="ieee")
     tl.store(part_ptr + split * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
              mask=mask_m[:, None] & mask_n[None, :])
 
