@@ -103,13 +103,14 @@ def _fp8_gemv_kernel(xq_ptr, w_ptr, part_ptr, M, N, K, k_per_split, NATIVE: tl.c
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
         x = tl.load(xq_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)
-        w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
-                    mask=mask_k[:, None] & mask_n[None, :], other=0)  # [BLOCK_K, BLOCK_N] bytes
+        # [BLOCK_N, BLOCK_K] bytes, each row a contiguous run of a weight row
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0)
         if NATIVE:  # the bytes as E4M3, widened exactly to bfloat16
             acc = tl.dot(x.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16),
-                         w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), acc)
+                         tl.trans(w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)), acc)
         else:
-            acc = tl.dot(_e4m3_bits_to_float(x), _e4m3_bits_to_float(w), acc, input_precision="ieee")
+            acc = tl.dot(_e4m3_bits_to_float(x), tl.trans(_e4m3_bits_to_float(w)), acc, input_precision="ieee")
     tl.store(part_ptr + split * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
              mask=mask_m[:, None] & mask_n[None, :])
 
@@ -130,24 +131,26 @@ def _fp8_scale_kernel(part_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, num_spl
 
 
 GEMV_MAX_ROWS = 16  # at most this many rows take the Triton kernel; more, torch._scaled_mm
-_GEMV_BLOCK_N, _GEMV_BLOCK_K = 64, 128
+# (BLOCK_N, BLOCK_K, num_warps, programs per SM the K splits aim for)
+GEMV_CONFIG = (64, 256, 4, 2)
 
 
 def fp8_gemv(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+             bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple = GEMV_CONFIG) -> torch.Tensor:
     """(x_q [M, K] E4M3 * x_scale [M, 1]) @ (weight [N, K] E4M3 * weight_scale [N, 1])^T + bias, M <= 16."""
+    block_n, block_k, warps, per_sm = config
     m, k = x_q.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
-    tiles = triton.cdiv(n, _GEMV_BLOCK_N)
-    slices = triton.cdiv(k, _GEMV_BLOCK_K)
-    per_split = triton.cdiv(slices, min(slices, triton.cdiv(2 * num_sms(x_q.device), tiles)))
+    tiles = triton.cdiv(n, block_n)
+    slices = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(slices, min(slices, triton.cdiv(per_sm * num_sms(x_q.device), tiles)))
     splits = triton.cdiv(slices, per_split)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x_q.device)
     # E4M3 passed as its bytes: the kernel reinterprets them (as the interpreter can too)
     _fp8_gemv_kernel[(tiles, splits)](x_q.view(torch.uint8), weight.view(torch.uint8), part, m, n, k,
-                                      per_split * _GEMV_BLOCK_K, NATIVE=x_q.is_cuda, BLOCK_M=16,
-                                      BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=_GEMV_BLOCK_K, num_warps=4)
+                                      per_split * block_k, NATIVE=x_q.is_cuda, BLOCK_M=16,
+                                      BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     block = 1024
     _fp8_scale_kernel[(triton.cdiv(m * n, block),)](part, x_scale, weight_scale, bias if bias is not None else part,
                                                    out, m, n, splits, HAS_BIAS=bias is not None, BLOCK=block)
