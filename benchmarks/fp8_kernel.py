@@ -5,7 +5,8 @@
 For (N, K) in 4096x4096 (o_proj), 6144x4096 (q|k|v), 24576x4096 (gate|up) and
 4096x12288 (down), bf16 activations and M tokens: microseconds per call of
 the whole layer (per-token activation quantization, then the few-rows
-Triton kernel up to GEMV_MAX_ROWS rows, torch._scaled_mm beyond), and of
+Triton kernel up to GEMV_MAX_ROWS rows of GEMV_MIN_K features or more,
+torch._scaled_mm otherwise), and of
 _scaled_mm alone on the same inputs, timed as CUDA-graph replays cycling
 through enough weight copies that none stays in L2. The floor is the E4M3
 weight bytes at the copy bandwidth measured in this run; the peer is F.linear
@@ -21,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import measure_ceilings
 
-from headrace.kernels.fp8 import GEMV_CONFIG, GEMV_MAX_ROWS, fp8_gemv, fp8_linear, quantize_rows, quantize_rows_triton
+from headrace.kernels.fp8 import (GEMV_CONFIG, GEMV_MAX_ROWS, GEMV_MIN_K, fp8_gemv, fp8_linear, quantize_rows,
+                                  quantize_rows_triton)
 
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]  # (N, K)
 L2_BYTES = 50 * 2**20
@@ -54,8 +56,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     bw, _ = measure_ceilings(torch.device("cuda"))
-    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; fp8_gemv up to {GEMV_MAX_ROWS} rows, "
-          f"config {GEMV_CONFIG}")
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; fp8_gemv up to {GEMV_MAX_ROWS} rows of K >= "
+          f"{GEMV_MIN_K}, config {GEMV_CONFIG}")
     print(f"{'N x K':>12} {'M':>4} {'layer us':>9} {'floor us':>9} {'x floor':>8} {'_scaled_mm':>10} {'bf16 us':>8}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in SHAPES:

@@ -74,8 +74,8 @@ def fp8_linear_ref(
     return F.linear((x_q.float() * x_scale).to(x.dtype), (weight.float() * weight_scale).to(x.dtype), bias)
 
 
-# Triton, for few rows (decode), where cuBLAS's FP8 GEMM reads the weights far
-# below the memory's rate: program (n tile, split) multiplies split's run of K
+# Triton, for few rows (decode) over long rows, where cuBLAS's FP8 GEMM reads
+# the weights below the memory's rate: program (n tile, split) multiplies split's run of K
 # for all rows, the E4M3 values widened to bfloat16 (exactly) into a float32
 # dot; _fp8_scale_kernel adds the splits in a fixed order (no atomics) and
 # applies both scales and the bias, so the arithmetic is _scaled_mm's.
@@ -130,9 +130,13 @@ def _fp8_scale_kernel(part_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, num_spl
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-GEMV_MAX_ROWS = 16  # at most this many rows take the Triton kernel; more, torch._scaled_mm
+# The Triton kernel takes at most GEMV_MAX_ROWS rows of at least GEMV_MIN_K
+# features: on an H100 (benchmarks/fp8_kernel.py) it beat _scaled_mm only
+# there, 35 against 44 us for Qwen3-8B's down projection (K = 12288) at 1 to
+# 16 rows, and tied or lost on the shorter K of q|k|v, o and gate|up.
+GEMV_MAX_ROWS, GEMV_MIN_K = 16, 8192
 # (BLOCK_N, BLOCK_K, num_warps, programs per SM the K splits aim for)
-GEMV_CONFIG = (64, 256, 4, 2)
+GEMV_CONFIG = (128, 256, 4, 2)
 
 
 def fp8_gemv(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -160,7 +164,7 @@ def fp8_gemv(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, wei
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     x_q, x_scale = quantize_rows_triton(x) if input_scale is None else quantize_static(x, input_scale)
-    if 0 < x.shape[0] <= GEMV_MAX_ROWS:
+    if 0 < x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] >= GEMV_MIN_K:
         return fp8_gemv(x_q, x_scale, weight, weight_scale, bias, x.dtype)
     # weight.t() is column-major, as _scaled_mm wants its second operand.
     return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), bias=bias,

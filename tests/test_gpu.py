@@ -258,7 +258,7 @@ def test_float32_beam_search_matches_transformers(arch, engine_kwargs, checkpoin
 
 
 @pytest.mark.parametrize("m, k, n, bias", [(1, 256, 512, False), (7, 1024, 768, True), (64, 4096, 4096, False),
-                                           (300, 512, 1536, True)])
+                                           (300, 512, 1536, True), (1, 12288, 1000, False), (16, 8192, 640, True)])
 def test_fp8_linear_matches_its_reference(m, k, n, bias):
     """torch._scaled_mm with per-token and per-channel scales against the
     dequantized arithmetic in float32: bf16 output rounding is the only difference."""
