@@ -272,3 +272,28 @@ def run_workers(cmd: list[str], jobs: list) -> tuple[float, list]:
     finally:
         for proc in procs:
             proc.wait()
+
+
+def graph_call_us(calls: list, replays: int = 10) -> float:
+    """Median microseconds of one call, from CUDA-graph replays of all the calls in turn
+    (kernel benchmarks: each call reads its own weights, so that none stays in L2)."""
+    import torch
+
+    for call in calls:  # compiles outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)

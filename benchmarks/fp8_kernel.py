@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
-from benchmarks_common import measure_ceilings
+from benchmarks_common import graph_call_us, measure_ceilings
 
 from headrace.kernels.fp8 import (GEMV_CONFIG, GEMV_MAX_ROWS, GEMV_MIN_K, fp8_gemv, fp8_linear, quantize_rows,
                                   quantize_rows_triton)
@@ -29,25 +28,9 @@ SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]  # (N, K)
 L2_BYTES = 50 * 2**20
 
 
-def per_call_us(make_call, layers: list, replays: int = 10) -> float:
-    """Median microseconds of one call, over graph replays of one call per layer."""
-    calls = [make_call(*layer) for layer in layers]
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+def per_call_us(make_call, layers: list) -> float:
+    """Median microseconds of one call, one call per layer's weights."""
+    return graph_call_us([make_call(*layer) for layer in layers])
 
 
 def main() -> None:

@@ -16,11 +16,10 @@ times the candidate configs of each M bucket.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
-from benchmarks_common import measure_ceilings
+from benchmarks_common import graph_call_us as per_call_us, measure_ceilings
 
 from headrace.kernels.int4 import _Config, _launch, _pick_config, int4_linear, int4_linear_ref
 
@@ -55,28 +54,6 @@ def int4_layers(n: int, k: int, group: int, count: int, gen: torch.Generator):
         zeros = torch.randint(0, 16, (k // group, n), generator=gen)
         out.append((qweight.cuda(), scales.to(torch.bfloat16).cuda(), zeros.to(torch.bfloat16).cuda()))
     return out
-
-
-def per_call_us(calls: list, replays: int = 10) -> float:
-    """Median time of one call, from CUDA-graph replays of all the calls in turn."""
-    for call in calls:  # compiles outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def bucket(m: int):

@@ -219,8 +219,6 @@ def test_every_supported_type_loads_as_transformers_loads_it(tmp_path, quantizat
 
     from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
-    from headrace.core.protocol import unpack_ids
-
     types = {"token_embd.weight": F16, "0.attn_q.weight": Q4_K, "0.attn_k.weight": Q6_K, "0.attn_v.weight": Q4_0,
              "0.attn_output.weight": Q4_1, "0.ffn_gate.weight": Q8_0, "0.ffn_up.weight": BF16,
              "1.attn_q.weight": Q6_K, "1.attn_k.weight": Q4_K, "1.ffn_down.weight": Q4_K}
@@ -234,13 +232,7 @@ def test_every_supported_type_loads_as_transformers_loads_it(tmp_path, quantizat
         assert [getattr(p, "type_name", None) for p in qkv.parts] == ["Q4_K", "Q6_K", "Q4_0"]
     prompts = [[5, 17, 200, 3, 99], [250, 1, 42]]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
-    for i, p in enumerate(prompts):
-        core.add_request(str(i), p, sp, 0.0)
-    tokens, scores = {}, {}
-    while core.has_unfinished:
-        for out in core.step():
-            tokens.setdefault(out.request_id, []).extend(unpack_ids(out.new_token_ids).tolist())
-            scores.setdefault(out.request_id, []).extend(np.frombuffer(out.sampled_logprobs, "<f4").tolist())
+    tokens, scores = run_core(core, prompts, sp)
     for i, p in enumerate(prompts):
         with torch.no_grad():
             want = model.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
@@ -248,6 +240,21 @@ def test_every_supported_type_loads_as_transformers_loads_it(tmp_path, quantizat
         ref = hf_logprobs(model, p + tokens[str(i)])
         expected = [ref[len(p) + j - 1, t].item() for j, t in enumerate(tokens[str(i)])]
         np.testing.assert_allclose(scores[str(i)], expected, atol=1e-4)
+
+
+def run_core(core, prompts: list[list[int]], sp: SamplingParams) -> tuple[dict, dict]:
+    """Each prompt (request id = its index) run to the end on an EngineCore:
+    ({id: generated ids}, {id: their sampled logprobs})."""
+    from headrace.core.protocol import unpack_ids
+
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, sp, 0.0)
+    tokens, scores = {}, {}
+    while core.has_unfinished:
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(unpack_ids(out.new_token_ids).tolist())
+            scores.setdefault(out.request_id, []).extend(np.frombuffer(out.sampled_logprobs, "<f4").tolist())
+    return tokens, scores
 
 
 def test_unsupported_quantization_is_named(tmp_path):

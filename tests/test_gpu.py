@@ -359,18 +359,12 @@ def _sampled_logprob_gaps(path, ref, prompts, extra: dict, layer: type) -> tuple
     the core given token ids (the tiny GGUF file has no tokenizer)."""
     from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
-    from headrace.core.protocol import unpack_ids
+    from tests.test_gguf import run_core
 
     core = EngineCore(EngineArgs(model=path, device="cuda", dtype="bfloat16", max_model_len=256, **extra))
     assert isinstance(core.executor.model.layers[1].mlp.gate_up_proj, layer)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    for i, p in enumerate(prompts):
-        core.add_request(str(i), p, sp, 0.0)
-    tokens, scores = {}, {}
-    while core.has_unfinished:
-        for out in core.step():
-            tokens.setdefault(out.request_id, []).extend(unpack_ids(out.new_token_ids).tolist())
-            scores.setdefault(out.request_id, []).extend(np.frombuffer(out.sampled_logprobs, "<f4").tolist())
+    tokens, scores = run_core(core, prompts, sp)
     core.close()
     diffs = []
     for i, p in enumerate(prompts):

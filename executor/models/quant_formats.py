@@ -83,6 +83,9 @@ def _int4(quant, parts, linear, dtype, device) -> Int4Linear:
     group = k if quant.group_size == -1 else quant.group_size
     if k % group:
         raise ValueError(f"in_features {k} is not a multiple of the group size {group}")
+    if group % 16 and group != k:
+        raise ValueError(f"group size {group} is not supported: the int4 kernel takes groups of a multiple of "
+                         f"16 input features, or one group per row")
     unpack = _awq_part if quant.method == "awq" else _gptq_part
     qs, zeros, scales, g_idx = zip(*(unpack(p, k, group) for p in parts))
     q, z, s = torch.cat(qs, dim=1), torch.cat(zeros, dim=1), torch.cat(scales, dim=1)  # [k | groups, out]
