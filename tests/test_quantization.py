@@ -161,6 +161,7 @@ def test_bad_quantized_checkpoints_are_refused_by_name(checkpoint, tmp_path):
         (dict(quant_method="squeezellm"), r"quant_method='squeezellm' is not supported"),
         (dict(checkpoint_format="gptq_v2"), r"checkpoint_format='gptq_v2'"),
         (dict(group_size=48), r"in_features 128 is not a multiple of the group size 48"),
+        (dict(group_size=8), r"group size 8 is not supported: the int4 kernel takes groups of a multiple of 16"),
         (dict(group_size=64), r"down_proj: qzeros has shape \(4, 8\), expected \(2, 8\)"),  # written for 32
     ]
     for i, (override, message) in enumerate(cases):
