@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us as per_call_us, measure_ceilings
 
-from headrace.kernels.int4 import _Config, _launch, _pick_config, int4_linear, int4_linear_ref
+from headrace.kernels.int4 import DEQUANTIZE_ROWS, _Config, _launch, _pick_config, int4_linear, int4_linear_ref
 
 SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]  # (N, K)
 L2_BYTES = 50 * 2**20
@@ -93,6 +93,10 @@ def main() -> None:
                 mark = "table" if cfg == picked else ""
                 print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                       f" {err:8.1e}  {tuple(cfg)} {mark}", flush=True)
+            if m >= DEQUANTIZE_ROWS:  # what int4_linear runs there: W dequantized, then cuBLAS
+                t = per_call_us([lambda lay=lay: int4_linear(x, *lay, g, None) for lay in layers])
+                print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
+                      f" {err:8.1e}  dequantize + cuBLAS (int4_linear)", flush=True)
 
 
 if __name__ == "__main__":
