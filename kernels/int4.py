@@ -260,7 +260,7 @@ def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, group_size, BLOCK_K8: tl.
 # From this many rows on, dequantizing W once and multiplying with cuBLAS
 # beats the fused kernel (benchmarks/int4_kernel.py: the fused kernel takes
 # 1.8x the bf16 GEMM's time at 2048 rows, the dequantization about a sixth of it).
-DEQUANTIZE_ROWS = 1024
+DEQUANTIZE_ROWS = 256
 
 
 def dequantize_int4_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
