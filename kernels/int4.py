@@ -258,9 +258,10 @@ def _dequantize_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, group_size, BLOCK_K8: tl.
 
 
 # From this many rows on, dequantizing W once and multiplying with cuBLAS
-# beats the fused kernel (benchmarks/int4_kernel.py: the fused kernel takes
-# 1.8x the bf16 GEMM's time at 2048 rows, the dequantization about a sixth of it).
-DEQUANTIZE_ROWS = 256
+# beats the fused kernel. On an H100 (benchmarks/int4_kernel.py, Qwen3-8B's
+# shapes) at 512 rows it took 1.5-1.7x the bf16 GEMM's time against 1.8-2.4x,
+# and at 2048 rows 1.1-1.2x against 1.8x. At 256 rows the fused kernel wins.
+DEQUANTIZE_ROWS = 512
 
 
 def dequantize_int4_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
