@@ -209,6 +209,10 @@ class Tokenizer:
 
     def batch_decode(self, sequences: Any, skip_special_tokens: bool = False,
                      clean_up_tokenization_spaces: bool | None = None) -> list[str]:
+        if isinstance(sequences, int) or (hasattr(sequences, "ndim") and sequences.ndim == 0):
+            raise TypeError(f"batch_decode takes a batch of sequences, not one id ({sequences!r}): use decode")
+        if len(sequences) == 0:
+            return []  # no sequences (decode([]) is one empty sequence)
         out = self.decode(sequences, skip_special_tokens, clean_up_tokenization_spaces)
         return [out] if isinstance(out, str) else out
 
