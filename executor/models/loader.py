@@ -70,7 +70,7 @@ def _replace(model, target: str, parts: dict[int, dict], quant: QuantConfig, dty
     parent_name, _, attr = target.rpartition(".")
     parent = model.get_submodule(parent_name)
     linear = getattr(parent, attr)
-    num_parts = len(model.shard_sizes(attr)) if attr in ("qkv_proj", "gate_up_proj") else 1
+    num_parts = sum(fused == attr for fused, _ in model.stacked_params.values()) or 1
     if sorted(parts) != list(range(num_parts)):
         raise ConfigError(f"{quant.method} checkpoint: {target} has quantized tensors for parts {sorted(parts)} "
                           f"of {num_parts}: the others are missing or stored unquantized")

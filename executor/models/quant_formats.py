@@ -20,13 +20,15 @@ from headrace.kernels.fp8 import FP8
 from headrace.kernels.gguf import pack_gguf
 from headrace.kernels.int4 import pack_int4, unpack_int4
 
-# Tensors each format stores for one projection, beside an optional bias.
-SUFFIXES = {
-    "fp8": ("weight", "weight_scale", "input_scale"),
+# Tensors each format stores for one projection (beside an optional bias):
+# those it must have, and those it may.
+_REQUIRED = {
+    "fp8": ("weight", "weight_scale"),
     "awq": ("qweight", "qzeros", "scales"),
-    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "gptq": ("qweight", "qzeros", "scales"),
     "gguf": ("weight",),
 }
+_OPTIONAL = {"fp8": ("input_scale",), "awq": (), "gptq": ("g_idx",), "gguf": ()}
 # AWQ's GEMM packing: column j of each run of 8 output features sits at bits 4 * _AWQ_SLOT[j].
 _AWQ_SLOT = (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -38,14 +40,14 @@ def is_quantized(quant: QuantConfig, suffix: str, tensor) -> bool:
         return suffix == "weight"
     if quant.method == "fp8" and suffix == "weight":
         return tensor.dtype == FP8
-    return suffix in SUFFIXES[quant.method]
+    return suffix in _REQUIRED[quant.method] + _OPTIONAL[quant.method]
 
 
 def build_layer(quant: QuantConfig, name: str, parts: list[dict], linear: nn.Linear,
                 dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The quantized layer for projection `name` from its parts' tensors (CPU), on device."""
     for i, part in enumerate(parts):
-        lacking = [s for s in SUFFIXES[quant.method] if s not in part and s not in _OPTIONAL[quant.method]]
+        lacking = [s for s in _REQUIRED[quant.method] if s not in part]
         if lacking:
             raise ConfigError(f"{quant.method} checkpoint: {name} (part {i}) lacks {lacking}")
     build = {"fp8": _fp8, "awq": _int4, "gptq": _int4, "gguf": _gguf}[quant.method]
@@ -53,9 +55,6 @@ def build_layer(quant: QuantConfig, name: str, parts: list[dict], linear: nn.Lin
         return build(quant, parts, linear, dtype, device)
     except ValueError as e:
         raise ConfigError(f"{quant.method} checkpoint: {name}: {e}") from None
-
-
-_OPTIONAL = {"fp8": ("input_scale",), "awq": (), "gptq": ("g_idx",), "gguf": ()}
 
 
 def _fp8(quant, parts, linear, dtype, device) -> Fp8Linear:
