@@ -1,4 +1,5 @@
-"""GGUF block-quantized weights kept packed on the device, and linear layers that dequantize as they load.
+"""GGUF block-quantized weights kept packed on the device, and linear layers that dequantize as they load
+(on a GPU from DEQUANTIZE_ROWS rows of x on: the whole weight at once, for cuBLAS).
 
 Formats Q8_0, Q4_0, Q4_1 (blocks of 32) and Q4_K, Q6_K (super-blocks of 256);
 checkpoint/gguf_quants.py documents ggml's block layouts. pack_gguf splits a
@@ -417,6 +418,15 @@ def _pick_config(m: int, type_name: str, device: torch.device) -> _Config:
     return cfg if _roomy(device) else cfg._replace(block_n=64, block_m=min(cfg.block_m, 64), num_warps=4, num_stages=2)
 
 
+def _fields(p: PackedGGUF) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """(qs, d, scales, qh) as the kernels take them, and (qs, qh, d, scales)'s row strides (p has rows)."""
+    # Words the kernels read as int32: Q4_1's and Q4_K's (d, m) pairs, Q4_K's and Q6_K's scales.
+    d = p.d.view(torch.int32) if p.d.dim() == 3 else p.d
+    sc = p.d if p.scales is None else p.scales.view(torch.int32).reshape(p.shape[0], -1)
+    qh = p.qs if p.qh is None else p.qh  # (p.qs, p.d stand in for what a format does not read)
+    return (p.qs, d, sc, qh), (p.qs.stride(0), qh.stride(0), d.stride(0), sc.stride(0))
+
+
 def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Config) -> torch.Tensor:
     """gguf_linear on a 2-d x [M, K] with the given config (benchmarks compare configs through it)."""
     (m, k), n = x.shape, p.shape[0]
@@ -434,12 +444,9 @@ def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Con
     tiles_per_split = triton.cdiv(k_tiles, min(split_k, k_tiles))
     split_k = triton.cdiv(k_tiles, tiles_per_split)
     part = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    # Words the kernels read as int32: Q4_1's and Q4_K's (d, m) pairs, Q4_K's and Q6_K's scales.
-    d = p.d.view(torch.int32) if p.d.dim() == 3 else p.d
-    sc = p.d if p.scales is None else p.scales.view(torch.int32).reshape(n, -1)
-    qh = p.qs if p.qh is None else p.qh  # (p.qs, p.d stand in for what a format does not read)
-    args = (x, p.qs, d, sc, qh, p.d if bias is None else bias, part)
-    strides = (x.stride(0), p.qs.stride(0), qh.stride(0), d.stride(0), sc.stride(0), tiles_per_split)
+    fields, field_strides = _fields(p)
+    args = (x, *fields, p.d if bias is None else bias, part)
+    strides = (x.stride(0), *field_strides, tiles_per_split)
     common = dict(FMT=fmt.code, HI=fmt.hi, BN=cfg.block_n, NU=units, EVEN_K=k // (2 * width) % units == 0,
                   HAS_BIAS=bias is not None, SPLIT=split_k > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.gemv:
@@ -456,10 +463,53 @@ def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Con
     return out
 
 
-def gguf_linear(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None) -> torch.Tensor:
-    """gguf_linear_ref's result in one launch (two where K is split): x [..., K] -> [..., N].
+# Triton, for many rows: program (row tile, K tile) writes W's [BN, NU * 32]
+# elements in the activation dtype, decoded by _dequant as the mm kernel's are,
+# each unit's low and high elements at their columns; cuBLAS multiplies. FP
+# fusion is off at launch so that Q4_1's q * d + m and Q4_K's q * step - offset
+# round twice, as dequantize_gguf does, rather than once in an FMA.
+@triton.jit
+def _dequantize_kernel(qs_ptr, d_ptr, sc_ptr, qh_ptr, w_ptr, N, K, stride_qs, stride_qh, stride_d, stride_sc,
+                       FMT: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr, NU: tl.constexpr,
+                       EVEN_K: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN).to(tl.int64)
+    v = tl.program_id(1) * NU + tl.arange(0, NU)
+    lo, hi = _dequant(FMT, 16, EVEN_K, qs_ptr, d_ptr, sc_ptr, qh_ptr, n, v, N, K, stride_qs, stride_qh, stride_d,
+                      stride_sc)
+    at = w_ptr + (n[:, None] * K + _col(FMT, 16 * v)[None, :])[:, :, None] + tl.arange(0, 16)[None, None, :]
+    mask = ((n < N)[:, None] & (v < K // 32)[None, :])[:, :, None]  # [BN, NU, 1]
+    tl.store(at, lo.to(w_ptr.dtype.element_ty), mask=mask)
+    tl.store(at + HI, hi.to(w_ptr.dtype.element_ty), mask=mask)
 
-    The launch depends only on shapes (no host syncs, no autotuning), so it
+
+# From this many rows of x on a GPU, gguf_linear dequantizes W once and
+# multiplies with cuBLAS instead of running the mm kernel, which on an H100 at
+# 2048 rows took 2.4-6.3x the bf16 GEMM's time (benchmarks/RESULTS.md). 512 is
+# int4.py's threshold, a starting point until benchmarks/gguf_kernel.py's
+# "dequantize + cuBLAS" rows set it.
+DEQUANTIZE_ROWS = 512
+
+
+def dequantize_gguf_triton(p: PackedGGUF, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_gguf(p, dtype)'s W [N, K] (the same values), in one launch on p's device."""
+    n, k = p.shape
+    w = torch.empty((n, k), dtype=dtype, device=p.qs.device)
+    if n == 0 or k == 0:
+        return w
+    fmt = FORMATS[p.type_name]
+    block_n, units = 32, 8  # a program's rows and units of 16 bytes (256 columns)
+    fields, strides = _fields(p)
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, units))](
+        *fields, w, n, k, *strides, FMT=fmt.code, HI=fmt.hi, BN=block_n, NU=units, EVEN_K=k // 32 % units == 0,
+        num_warps=4, enable_fp_fusion=False)
+    return w
+
+
+def gguf_linear(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None) -> torch.Tensor:
+    """gguf_linear_ref's result in one launch (two where K is split): x [..., K] -> [..., N]. From
+    DEQUANTIZE_ROWS rows on a GPU, W is dequantized by a Triton kernel, then F.linear (cuBLAS).
+
+    The launches depend only on shapes (no host syncs, no autotuning), so they
     can be captured in a CUDA graph; results do not depend on the run.
     """
     _check_input(x, p, bias)
@@ -469,5 +519,8 @@ def gguf_linear(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None) -> to
     if p.qs.device != x.device:
         raise ValueError(f"the weight is on {p.qs.device} and x on {x.device}")
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = _launch(x2, p, bias, _pick_config(x2.shape[0], p.type_name, x.device))
+    if x.is_cuda and x2.shape[0] >= DEQUANTIZE_ROWS:
+        out = F.linear(x2, dequantize_gguf_triton(p, x.dtype), bias)
+    else:
+        out = _launch(x2, p, bias, _pick_config(x2.shape[0], p.type_name, x.device))
     return out.reshape(*x.shape[:-1], p.shape[0])

@@ -18,7 +18,8 @@ import pytest  # noqa: E402
 
 from headrace.checkpoint.gguf_quants import GGML_TYPES, dequantize  # noqa: E402
 from headrace.kernels.gguf import (  # noqa: E402
-    FORMATS, _Config, _launch, dequantize_gguf, gguf_linear, gguf_linear_ref, pack_gguf, packed_nbytes,
+    DEQUANTIZE_ROWS, FORMATS, _Config, _launch, dequantize_gguf, dequantize_gguf_triton, gguf_linear, gguf_linear_ref,
+    pack_gguf, packed_nbytes,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,6 +92,35 @@ def test_packed_layout_keeps_the_file_size(name):
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
+def test_dequantize_triton_matches_reference(name):
+    """The Triton dequantization (gguf_linear's path for many rows) equals dequantize_gguf bit for bit.
+    The shapes leave partial row tiles, and in the 32-block formats a partial K tile (K = 96, 576);
+    the K-quants' K is a multiple of the kernel's K tile (256 columns). The interpreter casts float32
+    to bfloat16 by truncation (a GPU rounds to nearest even, as torch does), so bfloat16 is GPU-only."""
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+    for i, (n, k) in enumerate(SHAPES[FORMATS[name].block] + [(0, FORMATS[name].block)]):
+        _, p = _weight(name, n, k, seed=20 + i)
+        for dtype in dtypes:
+            got = dequantize_gguf_triton(p, dtype)
+            assert got.dtype == dtype and got.shape == (n, k)
+            assert torch.equal(got, dequantize_gguf(p, dtype))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="gguf_linear dequantizes for cuBLAS only on a GPU")
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_many_rows(name, dtype):
+    n, k = SHAPES[FORMATS[name].block][1]
+    _, p = _weight(name, n, k, seed=9)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, DEQUANTIZE_ROWS // 2 + 3, k, generator=g).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+    got = gguf_linear(x, p, bias)
+    _assert_close(got.reshape(-1, n), gguf_linear_ref(x, p, bias).reshape(-1, n), x.reshape(-1, k),
+                  dequantize_gguf(p), bias)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("m", M_VALUES)
 @pytest.mark.parametrize("shape_idx", [0, 1])
 def test_linear_float32(name, m, shape_idx):
@@ -149,7 +179,7 @@ def test_linear_leading_dims_and_reproducible(m):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize("m", [1, 16, 300, DEQUANTIZE_ROWS])
 def test_linear_in_cuda_graph(m):
     n, k = SHAPES[256][1]
     raw, p = _weight("Q6_K", n, k, seed=2)
