@@ -1,6 +1,6 @@
 """gguf_linear (kernels/gguf.py) on Qwen3-8B's projection shapes, against its floor and bf16 F.linear.
 
-    python3 benchmarks/gguf_kernel.py [--formats Q4_K,Q6_K] [--ms 1,16,256,2048] [--shapes 4096x4096]
+    python3 benchmarks/gguf_kernel.py [--formats Q4_K,Q6_K] [--ms 1,16,256,512,2048] [--shapes 4096x4096]
                                       [--sweep] [--warm-only]
 
 For each format, (N, K) in 4096x4096, 12288x4096 (gate/up) and 4096x12288
@@ -10,10 +10,14 @@ calls that cycle through enough copies of the weight that none is still in L2
 is the packed weight, x and y bytes at the copy bandwidth plus 2 M N K FLOPs at
 the bf16 matmul rate, both measured in the same run; the peer is F.linear on
 the same shape with bf16 weights, and a row "torch" times gguf_linear_ref
-(dequantize_gguf to bf16, then F.linear). The error column is the kernel's
-largest |y - y_ref| / (|x| |W|^T). --sweep times candidate configs of each M
-bucket instead of the chosen one; --warm-only compiles (one process per format
-can fill Triton's cache).
+(dequantize_gguf to bf16, then F.linear). From 256 rows on, a row "dequantize
++ cuBLAS" times dequantize_gguf_triton then F.linear (the Triton dequantization
+alone in its config column) next to the tl.dot kernel's row, so that
+DEQUANTIZE_ROWS can be set from one run; "(gguf_linear)" marks the path
+gguf_linear takes at that M. The error column is the largest
+|y - y_ref| / (|x| |W|^T). --sweep times candidate configs of each M bucket
+instead of the chosen one; --warm-only compiles (one process per format can
+fill Triton's cache).
 """
 from __future__ import annotations
 
@@ -25,10 +29,12 @@ import torch.nn.functional as F
 from benchmarks_common import measure_ceilings
 
 from headrace.kernels.gguf import (
-    FORMATS, _Config, _launch, _pick_config, dequantize_gguf, gguf_linear_ref, pack_gguf, packed_nbytes,
+    DEQUANTIZE_ROWS, FORMATS, _Config, _launch, _pick_config, dequantize_gguf, dequantize_gguf_triton,
+    gguf_linear_ref, pack_gguf, packed_nbytes,
 )
 
 SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]
+DEQUANTIZE_FROM = 256  # the least M with a "dequantize + cuBLAS" row
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}
 # Candidates per M bucket for --sweep: (gemv, block_n, block_m, units, num_warps, num_stages, split_k, x_once).
 SWEEP = {
@@ -93,7 +99,7 @@ def max_rel_error(x, p, y) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--formats", default=",".join(FORMATS))
-    parser.add_argument("--ms", default="1,16,256,2048")
+    parser.add_argument("--ms", default="1,16,256,512,2048")
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--warm-only", action="store_true")
@@ -120,22 +126,34 @@ def main() -> None:
                 x = xs[m]
                 cfgs = (SWEEP[min(SWEEP, key=lambda b: abs(b - m))] if args.sweep
                         else [_pick_config(m, name, torch.device("cuda"))])
-                if not args.warm_only:
-                    ref_us = graph_us([lambda p=p, x=x: gguf_linear_ref(x, p, None) for p in packs[:2]], per_graph=4)
-                    print(f"| {name} | {n}x{k} | {m} | {ref_us:.1f} | | | {peer[m]:.1f} | {ref_us / peer[m]:.2f}x | "
-                          f"torch: dequantize_gguf + F.linear | |", flush=True)
-                for cfg in cfgs:
-                    if args.warm_only:
+                linear = lambda p, x=x: F.linear(x, dequantize_gguf_triton(p, x.dtype))  # noqa: E731
+                dequantizes = m >= DEQUANTIZE_ROWS  # gguf_linear's path at this M on a GPU
+                if args.warm_only:
+                    for cfg in cfgs:
                         _launch(x, packs[0], None, cfg)
-                        continue
+                    if m >= DEQUANTIZE_FROM:
+                        linear(packs[0])
+                    continue
+                ref_us = graph_us([lambda p=p, x=x: gguf_linear_ref(x, p, None) for p in packs[:2]], per_graph=4)
+                print(f"| {name} | {n}x{k} | {m} | {ref_us:.1f} | | | {peer[m]:.1f} | {ref_us / peer[m]:.2f}x | "
+                      f"torch: dequantize_gguf + F.linear | |", flush=True)
+                floor = (packed_nbytes(packs[0]) + 2 * m * (k + n)) / bw * 1e6 + 2 * m * n * k / rate * 1e6
+                for cfg in cfgs:
                     us = graph_us([lambda p=p, x=x, cfg=cfg: _launch(x, p, None, cfg) for p in packs])
-                    floor = (packed_nbytes(packs[0]) + 2 * m * (k + n)) / bw * 1e6 + 2 * m * n * k / rate * 1e6
                     err = max_rel_error(x, packs[0], _launch(x, packs[0], None, cfg))
                     tag = "gemv" if cfg.gemv else "mm"
                     cfg_s = (f"{tag} n{cfg.block_n} m{cfg.block_m} u{cfg.units} w{cfg.num_warps} "
-                             f"s{cfg.num_stages} k{cfg.split_k}{'' if cfg.x_once else ' xb'}")
+                             f"s{cfg.num_stages} k{cfg.split_k}{'' if cfg.x_once else ' xb'}"
+                             f"{'' if args.sweep or dequantizes else ' (gguf_linear)'}")
                     print(f"| {name} | {n}x{k} | {m} | {us:.1f} | {floor:.1f} | {floor / us:.2f} | {peer[m]:.1f} | "
                           f"{us / peer[m]:.2f}x | {cfg_s} | {err:.1e} |", flush=True)
+                if m >= DEQUANTIZE_FROM:
+                    us = graph_us([lambda p=p: linear(p) for p in packs])
+                    dq_us = graph_us([lambda p=p: dequantize_gguf_triton(p, x.dtype) for p in packs])
+                    err = max_rel_error(x, packs[0], linear(packs[0]))
+                    print(f"| {name} | {n}x{k} | {m} | {us:.1f} | {floor:.1f} | {floor / us:.2f} | {peer[m]:.1f} | "
+                          f"{us / peer[m]:.2f}x | dequantize ({dq_us:.1f} us) + cuBLAS"
+                          f"{' (gguf_linear)' if dequantizes else ''} | {err:.1e} |", flush=True)
             del packs
     torch.cuda.synchronize()
 
