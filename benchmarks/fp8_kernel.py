@@ -3,14 +3,14 @@
     python3 benchmarks/fp8_kernel.py [--ms 1,4,16,32,64] [--sweep]
 
 For (N, K) in 4096x4096 (o_proj), 6144x4096 (q|k|v), 24576x4096 (gate|up) and
-4096x12288 (down), bf16 activations and M tokens: microseconds per call of
-the whole layer (per-token activation quantization, then the few-rows
-Triton kernel up to GEMV_MAX_ROWS rows of GEMV_MIN_K features or more,
-torch._scaled_mm otherwise), and of
-_scaled_mm alone on the same inputs, timed as CUDA-graph replays cycling
-through enough weight copies that none stays in L2. The floor is the E4M3
-weight bytes at the copy bandwidth measured in this run; the peer is F.linear
-on bf16 weights, timed the same way. --sweep times fp8_gemv's candidate configs.
+4096x12288 (down), bf16 activations and M tokens: microseconds per call of the
+whole layer (the few-rows Triton kernel up to FEW_ROWS rows; per-token
+activation quantization and torch._scaled_mm above), of the few-rows kernel
+(up to 64 rows) and of quantization plus _scaled_mm, timed as CUDA-graph
+replays cycling through enough weight copies that none stays in L2. The floor
+is the E4M3 weight bytes at the copy bandwidth measured in this run; the peer
+is F.linear on bf16 weights, timed the same way. --sweep times the few-rows
+kernel's candidate configs at 1, 4 and 16 rows.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
-from headrace.kernels.fp8 import (GEMV_CONFIG, GEMV_MAX_ROWS, GEMV_MIN_K, fp8_gemv, fp8_linear, quantize_rows,
+from headrace.kernels.fp8 import (DOT_CONFIG, FEW_ROWS, ROW_CONFIG, fp8_few_rows, fp8_linear, quantize_rows,
                                   quantize_rows_triton)
+from headrace.kernels.splitk import counters
 
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]  # (N, K)
 L2_BYTES = 50 * 2**20
@@ -33,40 +34,49 @@ def per_call_us(make_call, layers: list) -> float:
     return graph_call_us([make_call(*layer) for layer in layers])
 
 
+def scaled_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Per-token quantization, then cuBLAS's FP8 GEMM."""
+    x_q, x_s = quantize_rows_triton(x)
+    return torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=s.t(), out_dtype=x.dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", default="1,4,16,32,64")
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     bw, _ = measure_ceilings(torch.device("cuda"))
-    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; fp8_gemv up to {GEMV_MAX_ROWS} rows of K >= "
-          f"{GEMV_MIN_K}, config {GEMV_CONFIG}")
-    print(f"{'N x K':>12} {'M':>4} {'layer us':>9} {'floor us':>9} {'x floor':>8} {'_scaled_mm':>10} {'bf16 us':>8}")
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; few-rows kernel up to {FEW_ROWS} rows, "
+          f"configs {ROW_CONFIG} (one row), {DOT_CONFIG}")
+    print(f"{'N x K':>12} {'M':>4} {'layer us':>9} {'floor us':>9} {'x floor':>8} {'few-rows':>9} {'_scaled_mm':>10} "
+          f"{'bf16 us':>8}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k in SHAPES:
         count = max(2, -(-2 * L2_BYTES // (n * k)))
-        weights = [quantize_rows(torch.randn(n, k, device="cuda", generator=gen) * 0.02) for _ in range(count)]
+        weights = [quantize_rows(torch.randn(n, k, device="cuda", generator=gen) * 0.02) + (counters(n, "cuda"),)
+                   for _ in range(count)]
         dense = [(torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16() for _ in range(count)]
         floor = n * k / bw * 1e6  # the E4M3 weights read once
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-            layer = per_call_us(lambda w, s: lambda: fp8_linear(x, w, s, None), weights)
-            x_q, x_s = quantize_rows_triton(x)
-            cublas = per_call_us(lambda w, s: lambda: torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=s.t(),
-                                                                       out_dtype=torch.bfloat16), weights)
+            layer = per_call_us(lambda w, s, c: lambda: fp8_linear(x, w, s, None, counts=c), weights)
+            few = per_call_us(lambda w, s, c: lambda: fp8_few_rows(x, w, s, None, c), weights) if m <= 64 else 0
+            cublas = per_call_us(lambda w, s, c: lambda: scaled_mm(x, w, s), weights)
             peer = per_call_us(lambda w: lambda: F.linear(x, w), [(w,) for w in dense])
-            print(f"{n:>6}x{k:<5} {m:>4} {layer:9.1f} {floor:9.1f} {layer / floor:8.2f} {cublas:10.1f} {peer:8.1f}")
-            if args.sweep and m in (1, 16):
+            print(f"{n:>6}x{k:<5} {m:>4} {layer:9.1f} {floor:9.1f} {layer / floor:8.2f} {few:9.1f} {cublas:10.1f} "
+                  f"{peer:8.1f}")
+            if args.sweep and m in (1, 4, 16):
                 results = []
-                for cfg in itertools.product((32, 64, 128), (128, 256, 512), (4,), (2, 4)):
+                for cfg in itertools.product((4, 8, 16, 32) if m == 1 else (16, 32, 64),
+                                             (512, 1024) if m == 1 else (128, 256), (4,), (1, 3)):
                     try:
-                        us = per_call_us(lambda w, s, cfg=cfg: lambda: fp8_gemv(x_q, x_s, w, s, None,
-                                                                                 torch.bfloat16, cfg), weights)
+                        us = per_call_us(lambda w, s, c, cfg=cfg: lambda: fp8_few_rows(x, w, s, None, c, cfg),
+                                         weights)
                     except Exception as e:  # a config that does not compile or fit
                         print(f"    {cfg}: {type(e).__name__}")
                         continue
                     results.append((us, cfg))
-                print("    best gemv configs: " + ", ".join(f"{cfg} {us:.1f}" for us, cfg in sorted(results)[:4]))
+                print("    best configs: " + ", ".join(f"{cfg} {us:.1f}" for us, cfg in sorted(results)[:4]))
         del weights, dense
         torch.cuda.empty_cache()
 

@@ -1,9 +1,12 @@
 """FP8 (E4M3) linear layers: weights per output channel, activations per token.
 
-fp8_linear runs torch._scaled_mm on a GPU that has FP8 tensor cores
-(compute capability 8.9 and up); fp8_linear_ref does the same arithmetic
-by dequantizing (the quantized values times their scales, in the input's
-dtype), which is what runs on the CPU and what the tests compare against.
+fp8_linear runs on a GPU that has FP8 tensor cores (compute capability 8.9
+and up): a few rows (decode) through a Triton kernel that widens the weights
+and leaves the activations unquantized, more rows quantized per token for
+torch._scaled_mm. fp8_linear_ref does _scaled_mm's arithmetic by dequantizing
+(the quantized values times their scales, in the input's dtype), which is
+what runs on the CPU and what the tests compare against; fp8_few_rows_ref is
+the few-rows kernel's.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import triton
 import triton.language as tl
 
 from headrace.kernels.device import num_sms
+from headrace.kernels.splitk import counters_for, sum_splits
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -74,11 +78,20 @@ def fp8_linear_ref(
     return F.linear((x_q.float() * x_scale).to(x.dtype), (weight.float() * weight_scale).to(x.dtype), bias)
 
 
-# Triton, for few rows (decode) over long rows, where cuBLAS's FP8 GEMM reads
-# the weights below the memory's rate: program (n tile, split) multiplies split's run of K
-# for all rows, the E4M3 values widened to bfloat16 (exactly) into a float32
-# dot; _fp8_scale_kernel adds the splits in a fixed order (no atomics) and
-# applies both scales and the bias, so the arithmetic is _scaled_mm's.
+def fp8_few_rows_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ (weight * weight_scale)^T + bias in float32, in x's dtype: fp8_few_rows's arithmetic."""
+    y = x.float() @ (weight.float() * weight_scale).t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+# Triton, for few rows (decode), where cuBLAS's FP8 GEMM reads the weights well
+# below the memory's rate (benchmarks/fp8_kernel.py): the weights are read once
+# and widened, the activations are not quantized (so these rows are more exact
+# than _scaled_mm's, and there is one launch, not two). One row: FMAs in
+# float32, summed along K at each step. Up to FEW_ROWS rows: tl.dot on the
+# weights widened (exactly) to the activation dtype, the rows padded to 16.
+# Program (n tile, split) takes split's run of K; kernels/splitk.py adds the splits.
 @triton.jit
 def _e4m3_bits_to_float(b):
     """E4M3 bytes -> their values in float32, decoded by hand: Triton's
@@ -90,82 +103,93 @@ def _e4m3_bits_to_float(b):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemv_kernel(xq_ptr, w_ptr, part_ptr, M, N, K, k_per_split, NATIVE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_few_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                         stride_xm, DOT: tl.constexpr, NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K] E4M3 bytes
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        x = tl.load(xq_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0)
-        # [BLOCK_N, BLOCK_K] bytes, each row a contiguous run of a weight row
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0)
-        if NATIVE:  # the bytes as E4M3, widened exactly to bfloat16
-            acc = tl.dot(x.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16),
-                         tl.trans(w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)), acc)
+        in_k = (k0 + tl.arange(0, BLOCK_K) < k_end)[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
         else:
-            acc = tl.dot(_e4m3_bits_to_float(x), tl.trans(_e4m3_bits_to_float(w)), acc, input_precision="ieee")
-    tl.store(part_ptr + split * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
-             mask=mask_m[:, None] & mask_n[None, :])
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k, other=0)
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k, other=0.0)
+        w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) if NATIVE else _e4m3_bits_to_float(w)
+        if DOT:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision="ieee" if x.dtype == tl.float32 else None)
+        else:  # one row
+            acc += tl.sum(w * x.to(tl.float32), axis=1)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    last = True
+    if SPLIT:
+        acc, last = sum_splits(acc, part_ptr, count_ptr, pid_n, split, tl.num_programs(1), M * N, offs, mask)
+    if last:
+        acc *= tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_scale_kernel(part_ptr, xs_ptr, ws_ptr, bias_ptr, out_ptr, M, N, num_splits,
-                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, num_splits):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    m, n = offs // N, offs % N
-    acc = acc * tl.load(xs_ptr + m, mask=mask, other=0.0) * tl.load(ws_ptr + n, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+# Up to FEW_ROWS rows run the Triton kernel; more go to _scaled_mm. The kernel takes up to 64.
+FEW_ROWS, _MAX_ROWS = 16, 64
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row (FMA) and for more
+# rows (tl.dot): the fastest on an H100 over Qwen3-8B's four projection shapes
+# (benchmarks/fp8_kernel.py --sweep), within 2% of each shape's own best.
+ROW_CONFIG, DOT_CONFIG = (4, 1024, 4, 1), (32, 256, 4, 3)
+PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
 
 
-# The Triton kernel takes at most GEMV_MAX_ROWS rows of at least GEMV_MIN_K
-# features: on an H100 (benchmarks/fp8_kernel.py) it beat _scaled_mm only
-# there, 35 against 44 us for Qwen3-8B's down projection (K = 12288) at 1 to
-# 16 rows, and tied or lost on the shorter K of q|k|v, o and gate|up.
-GEMV_MAX_ROWS, GEMV_MIN_K = 16, 8192
-# (BLOCK_N, BLOCK_K, num_warps, programs per SM the K splits aim for)
-GEMV_CONFIG = (128, 256, 4, 2)
+def few_rows_tiles(n: int) -> int:
+    """Output tiles of the few-rows kernel on N features, at most (its split-K counters)."""
+    return triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0]))
 
 
-def fp8_gemv(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None, out_dtype: torch.dtype, config: tuple = GEMV_CONFIG) -> torch.Tensor:
-    """(x_q [M, K] E4M3 * x_scale [M, 1]) @ (weight [N, K] E4M3 * weight_scale [N, 1])^T + bias, M <= 16."""
-    block_n, block_k, warps, per_sm = config
-    m, k = x_q.shape
+def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 counts: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] E4M3 * weight_scale [N, 1])^T + bias, M <= 64, x not quantized;
+    counts: the layer's split-K counters (kernels/splitk.py), zero between calls."""
+    m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
-    tiles = triton.cdiv(n, block_n)
-    slices = triton.cdiv(k, block_k)
-    per_split = triton.cdiv(slices, min(slices, triton.cdiv(per_sm * num_sms(x_q.device), tiles)))
+    if not 0 < m <= _MAX_ROWS:
+        raise ValueError(f"fp8_few_rows takes 1 to {_MAX_ROWS} rows, got {m}")
+    block_n, block_k, warps, stages = config or (DOT_CONFIG if m > 1 else ROW_CONFIG)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles, slices = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    per_split = triton.cdiv(slices, min(slices, triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), tiles)))
     splits = triton.cdiv(slices, per_split)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x_q.device)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    counts = counters_for(counts, tiles, x.device) if splits > 1 else out
     # E4M3 passed as its bytes: the kernel reinterprets them (as the interpreter can too)
-    _fp8_gemv_kernel[(tiles, splits)](x_q.view(torch.uint8), weight.view(torch.uint8), part, m, n, k,
-                                      per_split * block_k, NATIVE=x_q.is_cuda, BLOCK_M=16,
-                                      BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-    block = 1024
-    _fp8_scale_kernel[(triton.cdiv(m * n, block),)](part, x_scale, weight_scale, bias if bias is not None else part,
-                                                   out, m, n, splits, HAS_BIAS=bias is not None, BLOCK=block)
+    _fp8_few_rows_kernel[(tiles, splits)](
+        x, weight.view(torch.uint8), weight_scale, bias if bias is not None else weight_scale, out, part, counts,
+        m, n, k, per_split * block_k, x.stride(0), DOT=m > 1, NATIVE=x.is_cuda, HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=max(16, triton.next_power_of_2(m)) if m > 1 else 1, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
     return out
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               input_scale: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear_ref's layer on a GPU: up to FEW_ROWS rows by fp8_few_rows (the activations
+    unquantized, input_scale unused); more rows quantized (per token, or by input_scale)
+    for _scaled_mm."""
+    if 0 < x.shape[0] <= FEW_ROWS and x.stride(-1) == 1:
+        return fp8_few_rows(x, weight, weight_scale, bias, counts)
     x_q, x_scale = quantize_rows_triton(x) if input_scale is None else quantize_static(x, input_scale)
-    if 0 < x.shape[0] <= GEMV_MAX_ROWS and x.shape[1] >= GEMV_MIN_K:
-        return fp8_gemv(x_q, x_scale, weight, weight_scale, bias, x.dtype)
     # weight.t() is column-major, as _scaled_mm wants its second operand.
     return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), bias=bias,
                             out_dtype=x.dtype)

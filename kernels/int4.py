@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from headrace.kernels.device import num_sms
+from headrace.kernels.splitk import counters_for, sum_splits
 
 _SHIFTS = tuple(range(0, 32, 4))  # bit offset of k % 8 within an int32
 
@@ -98,9 +99,9 @@ def int4_linear_ref(
 # is q - zero exactly (zero is an integer): one AND and one FMA per weight. It stays 3-d
 # [BLOCK_K // 8, 8, BLOCK_N] until the reshape to [BLOCK_K, BLOCK_N], so each thread holds whole
 # int32s. The scale multiplies the widened tile (as the reference rounds) or, when few rows share
-# the tile (SCALE_ACC), the dot's [BLOCK_M, BLOCK_N] result. With K split (SPLIT) the programs
-# write float32 partials [split_k, M, N] that _sum_splits_kernel adds in a fixed order: no
-# atomics, so results are the same run to run.
+# the tile (SCALE_ACC), the dot's [BLOCK_M, BLOCK_N] result. With K split (SPLIT),
+# kernels/splitk.py adds the programs' float32 partials [split_k, M, N] in a fixed order,
+# so results are the same run to run.
 @triton.jit
 def _q_minus_zero(qw, zero):
     """qw int32 [R, 1, N], zero float32 [1, 1, N] -> q - zero float32 [R, 8, N], row 8 r + j of the slice at [r, j]."""
@@ -114,7 +115,8 @@ def _q_minus_zero(qw, zero):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm,
+def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                        k_per_split, stride_xm,
                         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                         SCALE_ACC: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -157,24 +159,13 @@ def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
         qw_ptrs += (BLOCK_K // 8) * N
     out_offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if not SPLIT:
+    last = True
+    if SPLIT:
+        acc, last = sum_splits(acc, part_ptr, count_ptr, pid, split, tl.num_programs(1), M * N, out_offs, mask)
+    if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + split.to(tl.int64) * M * N + out_offs, acc, mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, split_k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, split_k):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 class _Config(NamedTuple):
@@ -209,7 +200,8 @@ def _pick_config(m: int) -> _Config:
     return next(cfg for limit, cfg in _CONFIGS if limit is None or m <= limit)
 
 
-def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg: _Config) -> torch.Tensor:
+def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg: _Config,
+            counts: torch.Tensor | None = None) -> torch.Tensor:
     """int4_linear on a 2-d x [M, K] with the given tiles (benchmarks compare configs through it)."""
     m, k = x.shape
     n = qweight.shape[1]
@@ -225,18 +217,20 @@ def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg:
     slices_per_split = triton.cdiv(k_slices, min(split_k, k_slices))
     split_k = triton.cdiv(k_slices, slices_per_split)
     part = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    bias_arg = bias if bias is not None else scales
+    counts = out if split_k == 1 else counters_for(counts, tiles, x.device)
     _int4_linear_kernel[(tiles, split_k)](
-        x, qweight, scales, zeros, bias_arg, part, m, n, k, slices_per_split * block_k, x.stride(0),
-        GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        EVEN_K=k % block_k == 0, SCALE_ACC=cfg.scale_acc, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
-    if split_k > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, split_k,
-                                                         HAS_BIAS=bias is not None, BLOCK=block)
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, m, n, k,
+        slices_per_split * block_k, x.stride(0), GROUP=0 if group_size == k else group_size,
+        HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % block_k == 0, SCALE_ACC=cfg.scale_acc,
+        IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
     return out
+
+
+def split_k_tiles(n: int) -> int:
+    """The most output tiles a split-K launch on N features has (its counters, kernels/splitk.py)."""
+    return max(triton.cdiv(limit, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+               for limit, cfg in _CONFIGS if limit is not None and limit < DEQUANTIZE_ROWS)
 
 
 # Triton, for many rows: program (k tile, n tile) writes W^T [BLOCK_K8 * 8, BLOCK_N]
@@ -278,8 +272,9 @@ def dequantize_int4_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: t
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """int4_linear_ref's result in one or two launches; x's last dimension must be contiguous."""
+                group_size: int, bias: torch.Tensor | None, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """int4_linear_ref's result in one or two launches; x's last dimension must be contiguous.
+    counts: the layer's split-K counters (split_k_tiles(N) of them, zero between calls)."""
     _check_input(x, qweight, scales, zeros, group_size, bias)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
@@ -290,5 +285,5 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         out = x2 @ dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype)
         out = out if bias is None else out + bias
         return out.reshape(*x.shape[:-1], qweight.shape[1])
-    out = _launch(x2, qweight, scales, zeros, group_size, bias, _pick_config(x2.shape[0]))
+    out = _launch(x2, qweight, scales, zeros, group_size, bias, _pick_config(x2.shape[0]), counts)
     return out.reshape(*x.shape[:-1], qweight.shape[1])

@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from headrace.kernels.int4 import (  # noqa: E402
-    _CONFIGS, _launch, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, unpack_int4,
+    _CONFIGS, _launch, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, split_k_tiles, unpack_int4,
 )
+from headrace.kernels.splitk import counters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -104,7 +105,8 @@ def test_int4_linear(m, k, n, g, dtype):
 @pytest.mark.parametrize("m", [5, 33])
 def test_every_config_and_split(m, monkeypatch):
     """Each config of the table on one shape, with K split 1 or 3 ways; torch.empty
-    returns NaN-filled memory, so an output or partial left unwritten shows."""
+    returns NaN-filled memory, so an output or partial left unwritten shows. The
+    split-K counters are back at zero after every call."""
     k, n, g = 384, 72, 64
     qweight, scales, zeros = _layer(k, n, g, torch.float16, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEVICE)
@@ -113,9 +115,12 @@ def test_every_config_and_split(m, monkeypatch):
     w = dequantize_int4(qweight, scales, zeros, g, torch.float16)
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    counts = counters(split_k_tiles(n), DEVICE)
     for _, cfg in _CONFIGS:
         for split_k in (1, 3):
-            _assert_near(_launch(x, qweight, scales, zeros, g, bias, cfg._replace(split_k=split_k)), want, x, w)
+            _assert_near(_launch(x, qweight, scales, zeros, g, bias, cfg._replace(split_k=split_k), counts),
+                         want, x, w)
+            assert not counts.any()
 
 
 def test_strided_and_batched_x_and_reproducible():

@@ -249,17 +249,22 @@ def test_fp8_row_quantization_matches_reference(rows, cols):
             assert (diff <= size / 2 + 2.0**-9).all(), (diff - size / 2).max()
 
 
-@pytest.mark.parametrize("m, k, n, bias", [(1, 128, 64, False), (3, 200, 96, True), (16, 1024, 40, True),
-                                           (7, 4096, 130, False)])
-def test_fp8_gemv_matches_reference(m, k, n, bias):
-    """The few-rows FP8 GEMM: the scaled products of the E4M3 values, summed in float32."""
-    from headrace.kernels.fp8 import fp8_gemv, quantize_rows
+@pytest.mark.parametrize("m, k, n, bias", [(1, 128, 64, False), (1, 3000, 40, True), (3, 200, 96, True),
+                                           (16, 1024, 40, True), (7, 4096, 130, False)])
+def test_fp8_few_rows_matches_reference(m, k, n, bias):
+    """The few-rows FP8 kernel: x (not quantized) times the E4M3 weights and their scales, summed in
+    float32. K = 3000 and 200 leave a partial slice of K; K = 3000, 1024 and 4096 are split."""
+    from headrace.kernels.fp8 import fp8_few_rows, fp8_few_rows_ref, quantize_rows
+    from headrace.kernels.splitk import counters
 
     g = _gen(m, k, n)
-    x_q, x_scale = quantize_rows(torch.randn(m, k, generator=g))
+    x = torch.randn(m, k, generator=g)
     w, w_scale = quantize_rows(torch.randn(n, k, generator=g) * 0.05)
     b = torch.randn(n, generator=g) if bias else None
-    want = (x_q.float() * x_scale) @ (w.float() * w_scale).t() + (0 if b is None else b)
-    got = fp8_gemv(x_q.to(DEVICE), x_scale.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE),
-                   None if b is None else b.to(DEVICE), torch.float32)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    want = fp8_few_rows_ref(x, w, w_scale, b)
+    counts = counters(n, DEVICE)
+    args = (x.to(DEVICE), w.to(DEVICE), w_scale.to(DEVICE), None if b is None else b.to(DEVICE))
+    for _ in range(2):  # the counters are back at zero after each call
+        got = fp8_few_rows(*args, counts=counts)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert not counts.any()

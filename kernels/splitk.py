@@ -1,0 +1,40 @@
+"""Split-K in one launch, for the few-rows GEMM kernels.
+
+When K is split, every program of an output tile stores its float32 partial
+sum; the last of the tile's programs to finish (an atomic count per tile)
+adds the partials in split order, so results are the same run to run, and
+resets the count to zero for the next call. A layer keeps its own counts
+(counters()): calls that share them must run one after another on one stream.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def counters(tiles: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed counts for a kernel of up to `tiles` output tiles."""
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
+
+
+def counters_for(count: torch.Tensor | None, tiles: int, device: torch.device) -> torch.Tensor:
+    """`count` if it has room for `tiles`, else a fresh zeroed one (tests and benchmarks pass none)."""
+    return count if count is not None and count.numel() >= tiles else counters(tiles, device)
+
+
+@triton.jit
+def sum_splits(acc, part_ptr, count_ptr, tile, split, num_splits, split_stride, offs, mask):
+    """acc [BLOCK_M, BLOCK_N] float32: this program's partial, stored at
+    part_ptr + split * split_stride + offs -> (the tile's sum over every split,
+    whether this program is the one to write it)."""
+    tl.store(part_ptr + split * split_stride + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the count says so
+    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == num_splits - 1
+    total = acc
+    if last:
+        total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, num_splits):
+            total += tl.load(part_ptr + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0)
+    return total, last
