@@ -483,11 +483,12 @@ def _dequantize_kernel(qs_ptr, d_ptr, sc_ptr, qh_ptr, w_ptr, N, K, stride_qs, st
 
 
 # From this many rows of x on a GPU, gguf_linear dequantizes W once and
-# multiplies with cuBLAS instead of running the mm kernel, which on an H100 at
-# 2048 rows took 2.4-6.3x the bf16 GEMM's time (benchmarks/RESULTS.md). 512 is
-# int4.py's threshold, a starting point until benchmarks/gguf_kernel.py's
-# "dequantize + cuBLAS" rows set it.
-DEQUANTIZE_ROWS = 512
+# multiplies with cuBLAS instead of running the mm kernel. On an H100
+# (benchmarks/gguf_kernel.py, 4096x4096 and 12288x4096, every format) that
+# took 1.9-4.6x the bf16 GEMM's time at 256 rows against the mm kernel's
+# 2.8-10x, and 1.1-1.6x at 2048 rows against 2.5-6.4x. Below 256 rows it was
+# not measured.
+DEQUANTIZE_ROWS = 256
 
 
 def dequantize_gguf_triton(p: PackedGGUF, dtype: torch.dtype) -> torch.Tensor:
