@@ -250,10 +250,11 @@ def test_fp8_row_quantization_matches_reference(rows, cols):
 
 
 @pytest.mark.parametrize("m, k, n, bias", [(1, 128, 64, False), (1, 3000, 40, True), (3, 200, 96, True),
-                                           (16, 1024, 40, True), (7, 4096, 130, False)])
+                                           (16, 1024, 40, True), (7, 4096, 130, False), (24, 512, 72, False)])
 def test_fp8_few_rows_matches_reference(m, k, n, bias):
     """The few-rows FP8 kernel: x (not quantized) times the E4M3 weights and their scales, summed in
-    float32. K = 3000 and 200 leave a partial slice of K; K = 3000, 1024 and 4096 are split."""
+    float32. K = 3000 and 200 leave a partial slice of K; K = 3000, 1024, 4096 and 512 are split;
+    24 rows take the 32-row tiles."""
     from headrace.kernels.fp8 import fp8_few_rows, fp8_few_rows_ref, quantize_rows
     from headrace.kernels.splitk import counters
 
