@@ -18,7 +18,7 @@ from headrace.executor.cuda_graphs import StepGraphs, clear_cublas_workspaces
 from headrace.executor.input_batch import prepare_inputs
 from headrace.executor.logits_processors import load_logits_processors
 from headrace.executor.models.loader import load_model
-from headrace.executor.models.quant import quantize_model, resolve_quantization
+from headrace.executor.models.quant import resolve_quantization
 from headrace.executor.parallel import TPGroup, local_kv_heads
 from headrace.executor.sampler import SampledLogprobs, sample
 from headrace.executor.sampling_state import SamplingState
@@ -155,9 +155,8 @@ class ModelRunner:
         self.quant = resolve_quantization(args.quantization, args.dequantize_gguf, model_cfg, self.device,
                                           self.dtype, tp.size)
         self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len, tp, self.quant)
-        quantize_model(self.model, self.quant)
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the unquantized weights' memory, for the KV pool
+            torch.cuda.empty_cache()  # the temporaries of quantizing at load, for the KV pool
         self.num_kv_heads = local_kv_heads(model_cfg, tp)[1]  # this rank's
         self.num_blocks = tp.min_int(self._num_blocks(model_cfg, sched_cfg, args), self.device)  # ranks agree
         layers = self.model.attention_layers()

@@ -10,11 +10,14 @@ import json
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from headrace import LLM, SamplingParams
 from headrace.checkpoint import ConfigError
 from headrace.config import EngineArgs
-from headrace.executor.models.quant import Fp8Linear, Int4Linear
+from headrace.executor.models.quant import Fp8Linear, Int4Linear, resolve_quantization
 from tests.conftest import ARCHS, assert_blocks_free, hf_greedy
 from tests.quant_checkpoints import quantize_checkpoint
 from tests.test_generate import prompts_of_lengths
@@ -200,3 +203,53 @@ def test_serve_quantization_fp8_answers_through_the_openai_client(checkpoint):
         assert server.metric("headrace:quantization_info", quantization=shown) == 1
     finally:
         assert server.stop() == 0
+
+
+class ModelDtypeBytes(TorchDispatchMode):
+    """The most bytes that tensors of `dtype` made by torch ops while active
+    held at once (each storage counted once, until it is freed)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype, self.live, self.peak = dtype, {}, 0  # storage -> (weak reference, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dtype == self.dtype and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize("fmt", ["at-load", "fp8", "gptq", "awq"])  # at-load: fp8 quantizing a float checkpoint
+def test_loading_holds_at_most_one_float_weight_beside_the_quantized_model(fmt, checkpoint, tmp_path):
+    """Loaded in bfloat16 from float32 (or quantized) tensors: the bfloat16
+    tensors alive at any time during load are the quantized model's own plus
+    at most the one weight being quantized (and its quantizer's temporary),
+    never all the projections in bfloat16 first."""
+    from headrace.checkpoint.config import ModelConfig
+    from headrace.executor.models.llama import LlamaForCausalLM
+    from headrace.executor.models.loader import load_model
+
+    src = checkpoint("llama", num_layers=4, hidden_size=128, intermediate_size=256)
+    path = src if fmt == "at-load" else tmp_path / fmt
+    if fmt != "at-load":
+        quantize_checkpoint(src, path, fmt, group=32)
+    cfg = ModelConfig.from_dir(path)
+    asked = "fp8" if fmt == "at-load" else None
+    quant = resolve_quantization(asked, False, cfg, torch.device("cpu"), torch.bfloat16, 1)
+    with ModelDtypeBytes(torch.bfloat16) as mode:
+        model = load_model(cfg, torch.bfloat16, torch.device("cpu"), 64, quant=quant)
+    held = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]
+               if t.dtype == torch.bfloat16)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    with torch.device("meta"):  # the float model's shapes
+        floats = {n: p.numel() * 2 for n, p in LlamaForCausalLM(cfg, 64).named_parameters()}
+    replaced = [n for n in floats if n.endswith("_proj.weight")]
+    largest = max(floats[n] for n in replaced)
+    # the weight being quantized, the |weight| its quantizer takes, and their row maxima
+    assert mode.peak <= held + 2 * largest + largest // 8
+    assert sum(floats[n] for n in replaced) > 4 * largest, "the bound could not tell one weight from all of them"

@@ -15,16 +15,27 @@ from headrace.executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_m
 from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows
 
 
+def _linear(in_features: int, out_features: int, bias: bool, meta: bool) -> nn.Linear:
+    """nn.Linear; with meta, its weight on the meta device (never allocated:
+    the loader replaces the layer by its quantized form) and its bias real."""
+    if not meta:
+        return nn.Linear(in_features, out_features, bias=bias)
+    layer = nn.Linear(in_features, out_features, bias=False, device="meta")
+    if bias:
+        layer.bias = nn.Parameter(torch.empty(out_features))  # [out] loaded as usual
+    return layer
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup, meta: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads, self.head_dim = cfg.num_heads // tp.size, cfg.head_dim
         self.first_kv_head, self.num_kv_heads = local_kv_heads(cfg, tp)
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, meta)
+        self.o_proj = _linear(self.q_size, cfg.hidden_size, cfg.o_bias, meta)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -42,24 +53,24 @@ class DecoderAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, meta: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.intermediate_size = cfg.intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * self.intermediate_size, cfg.mlp_bias, meta)
+        self.down_proj = _linear(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, meta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup, meta: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, rotary, tp)
+        self.self_attn = DecoderAttention(cfg, rotary, tp, meta)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp, meta)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -81,13 +92,17 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup(),
+                 meta: tuple[str, ...] = ()) -> None:
+        """meta: the weights the loader builds in quantized form, held on the
+        meta device until then: "projections" (the decoder's)."""
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.vocab_start, self.vocab_rows = vocab_rows(cfg.vocab_size, tp)  # this rank's slice of the vocabulary
         self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp, "projections" in meta)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.vocab_rows, bias=False)
 

@@ -1,6 +1,7 @@
 """Loading a checkpoint's safetensors (or GGUF file) into our model definitions on a device."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,16 +25,19 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
                tp: TPGroup = TPGroup(), quant: QuantConfig | None = None) -> torch.nn.Module:
     """The model with this rank's slice of every weight (all of them for one
-    rank). With a quantized checkpoint (quant.in_checkpoint), its projections'
-    quantized tensors are gathered per projection and become quant.py's layers."""
-    with torch.device(device):
-        model = MODELS[cfg.model_type](cfg, max_positions, tp)
-    model = model.to(dtype).eval().requires_grad_(False)
+    rank), quantized as quant says. The projections, which become quantized
+    layers, are never allocated in the model dtype beside the others: they
+    wait on the meta device. A quantized checkpoint's tensors are gathered per projection
+    and built once all are read; a float weight quantized at load (fp8) is
+    quantized as soon as all its parts are read, one at a time on the device."""
+    meta = () if quant is None else ("projections",)
+    with torch.device(device), _default_dtype(dtype):  # no float32 copy of the model first
+        model = MODELS[cfg.model_type](cfg, max_positions, tp, meta)
+    model = model.eval().requires_grad_(False)
     params = dict(model.named_parameters())
     loaded: dict[str, int] = {name: 0 for name in params}  # parameter -> elements written
-    quant = quant if quant is not None and quant.in_checkpoint else None
     if is_gguf(cfg.path):
-        tensors = _gguf_tensors(cfg.path, packed=quant is not None)
+        tensors = _gguf_tensors(cfg.path, packed=quant is not None and quant.in_checkpoint)
     else:
         tensors = _safetensors(Path(cfg.path))
     pending: dict[str, dict[int, dict]] = {}  # fused projection -> part -> suffix -> tensor
@@ -42,16 +46,32 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         stem, _, suffix = name.rpartition(".")
         if quant is not None and stem.endswith(_PARTS) and is_quantized(quant, suffix, tensor):
             target, shard = _fused(model, stem)
-            pending.setdefault(target, {}).setdefault(shard, {})[suffix] = tensor
+            if not quant.in_checkpoint:
+                tensor = _float_part(model, ckpt_name, target, shard, tensor)
+            parts = pending.setdefault(target, {})
+            parts.setdefault(shard, {})[suffix] = tensor
+            if not quant.in_checkpoint and len(parts) == _num_parts(model, target):
+                _replace(model, target, pending.pop(target), quant, dtype, device, loaded)  # all parts read
         else:
-            _load_tensor(model, params, loaded, ckpt_name, tensor)
+            _load_tensor(model, params, loaded, ckpt_name, tensor, device)
     for target, parts in pending.items():
-        _replace(model, target, parts, quant, dtype, device)
-        loaded.pop(f"{target}.weight")
+        if quant.in_checkpoint:  # at load, only projections lacking a part are left: reported below
+            _replace(model, target, parts, quant, dtype, device, loaded)
     missing = [n for n, count in loaded.items() if count != params[n].numel()]
     if missing:
         raise ConfigError(f"checkpoint {cfg.path} lacks weights for: {missing[:8]}")
     return model
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to dtype within (it is process-wide: set only while a model is built)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 # Checkpoint names of the decoder's projections (our fused ones take several).
@@ -66,15 +86,34 @@ def _fused(model, stem: str) -> tuple[str, int]:
     return stem, 0
 
 
-def _replace(model, target: str, parts: dict[int, dict], quant: QuantConfig, dtype, device) -> None:
+def _num_parts(model, target: str) -> int:
+    """How many checkpoint projections make up our projection `target`."""
+    attr = target.rpartition(".")[2]
+    return sum(fused == attr for fused, _ in model.stacked_params.values()) or 1
+
+
+def _float_part(model, ckpt_name: str, target: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a float projection part to be quantized at load, its shape checked."""
+    tensor = model.tp_slice(ckpt_name.removeprefix("model."), tensor)
+    linear = model.get_submodule(target)
+    fused = _num_parts(model, target) > 1
+    want = (model.shard_sizes(target.rpartition(".")[2])[shard] if fused else linear.out_features,
+            linear.in_features)
+    if tuple(tensor.shape) != want:
+        raise ConfigError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected {want}")
+    return tensor
+
+
+def _replace(model, target: str, parts: dict[int, dict], quant: QuantConfig, dtype, device, loaded) -> None:
     parent_name, _, attr = target.rpartition(".")
     parent = model.get_submodule(parent_name)
-    linear = getattr(parent, attr)
-    num_parts = sum(fused == attr for fused, _ in model.stacked_params.values()) or 1
+    linear = getattr(parent, attr)  # its weight on the meta device, its bias loaded
+    num_parts = _num_parts(model, target)
     if sorted(parts) != list(range(num_parts)):
         raise ConfigError(f"{quant.method} checkpoint: {target} has quantized tensors for parts {sorted(parts)} "
                           f"of {num_parts}: the others are missing or stored unquantized")
     setattr(parent, attr, build_layer(quant, target, [parts[i] for i in range(num_parts)], linear, dtype, device))
+    loaded.pop(f"{target}.weight")
 
 
 def _safetensors(path: Path):
@@ -95,7 +134,7 @@ def _gguf_tensors(path: str, packed: bool):
         yield name, array if isinstance(array, Blocks) else torch.from_numpy(array)
 
 
-def _load_tensor(model, params, loaded, ckpt_name: str, tensor: torch.Tensor) -> None:
+def _load_tensor(model, params, loaded, ckpt_name: str, tensor: torch.Tensor, device) -> None:
     if ckpt_name.endswith(_IGNORED_SUFFIXES):
         return
     name = ckpt_name.removeprefix("model.")
@@ -111,6 +150,8 @@ def _load_tensor(model, params, loaded, ckpt_name: str, tensor: torch.Tensor) ->
     param = params.get(target)
     if param is None:
         raise ConfigError(f"checkpoint tensor {ckpt_name} has no place in the {model.cfg.model_type} model")
+    if param.is_meta:  # a projection a quantized checkpoint stores unquantized: it stays a float layer
+        param.data = torch.empty_like(param, device=device)
     dst = param.data.narrow(0, offset, tensor.shape[0]) if target != name else param.data
     if dst.shape != tensor.shape:
         raise ConfigError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")

@@ -14,7 +14,6 @@ from headrace.checkpoint import ConfigError
 from headrace.checkpoint.config import ModelConfig
 from headrace.checkpoint.quant_config import QuantConfig
 from headrace.kernels import dispatch
-from headrace.kernels.fp8 import quantize_rows
 from headrace.kernels.gguf import PackedGGUF
 
 # The projections each decoder layer holds.
@@ -41,10 +40,6 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale)  # [out, 1] float32
         self.register_buffer("input_scale", input_scale)  # [] float32, or None: per token
         self.bias = bias
-
-    @classmethod
-    def quantize(cls, linear: nn.Linear) -> Fp8Linear:
-        return cls(*quantize_rows(linear.weight.data), linear.bias)
 
     @_flat
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,14 +127,3 @@ def resolve_quantization(asked: str | None, dequantize_gguf: bool, cfg: ModelCon
             raise ConfigError(f"fp8 on a GPU computes in bfloat16 or float16, not {dtype}; set dtype='bfloat16'")
     return held
 
-
-def quantize_model(model: nn.Module, quant: QuantConfig | None) -> None:
-    """FP8 at load: every decoder projection of a float checkpoint replaced by
-    its quantized form (in place)."""
-    if quant is None or quant.in_checkpoint:
-        return
-    for module in list(model.modules()):
-        for attr in PROJECTIONS:
-            child = getattr(module, attr, None)
-            if isinstance(child, nn.Linear):
-                setattr(module, attr, Fp8Linear.quantize(child))

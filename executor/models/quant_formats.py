@@ -16,7 +16,7 @@ from headrace.checkpoint import ConfigError
 from headrace.checkpoint.gguf import Blocks
 from headrace.checkpoint.quant_config import QuantConfig
 from headrace.executor.models.quant import Fp8Linear, GGUFLinear, Int4Linear
-from headrace.kernels.fp8 import FP8
+from headrace.kernels.fp8 import FP8, quantize_rows
 from headrace.kernels.gguf import pack_gguf
 from headrace.kernels.int4 import pack_int4, unpack_int4
 
@@ -34,8 +34,11 @@ _AWQ_SLOT = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def is_quantized(quant: QuantConfig, suffix: str, tensor) -> bool:
-    """Whether a projection's checkpoint tensor is one of the format's own
-    (and not, say, a bias or a float weight left unquantized)."""
+    """Whether a projection's checkpoint tensor goes into its quantized layer:
+    one of the format's own (and not, say, a bias or a float weight left
+    unquantized), or for fp8 at load, the float weight."""
+    if not quant.in_checkpoint:
+        return suffix == "weight"
     if quant.method == "gguf":  # float parts too: they join a fused projection's quantized ones
         return suffix == "weight"
     if quant.method == "fp8" and suffix == "weight":
@@ -46,6 +49,8 @@ def is_quantized(quant: QuantConfig, suffix: str, tensor) -> bool:
 def build_layer(quant: QuantConfig, name: str, parts: list[dict], linear: nn.Linear,
                 dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The quantized layer for projection `name` from its parts' tensors (CPU), on device."""
+    if not quant.in_checkpoint:
+        return _fp8_at_load(parts, linear, dtype, device)
     for i, part in enumerate(parts):
         lacking = [s for s in _REQUIRED[quant.method] if s not in part]
         if lacking:
@@ -75,6 +80,24 @@ def _fp8(quant, parts, linear, dtype, device) -> Fp8Linear:
     # One static scale for the fused input: the largest of the parts' (none clips).
     input_scale = torch.stack(inputs).max().to(device) if inputs else None
     return Fp8Linear(weight.to(device), torch.cat(scales).contiguous().to(device), linear.bias, input_scale)
+
+
+def _fp8_at_load(parts, linear, dtype, device) -> Fp8Linear:
+    """A float checkpoint's weight, its parts joined, in the model dtype on the device, quantized per row."""
+    weight = torch.cat([p["weight"] for p in parts])  # the parts' shapes checked as they were read
+    assert weight.shape == (linear.out_features, linear.in_features)
+    return Fp8Linear(*quantize_by_rows(weight.to(device, dtype)), linear.bias)
+
+
+def quantize_by_rows(x: torch.Tensor, elements: int = 2**24) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows a run of rows at a time (each row stands alone, so the
+    result is the same), so that its float32 temporaries stay small beside x."""
+    weight = torch.empty(x.shape, dtype=FP8, device=x.device)  # [rows, cols]
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)  # [rows, 1]
+    step = max(1, elements // max(1, x.shape[1]))
+    for start in range(0, x.shape[0], step):
+        weight[start : start + step], scale[start : start + step] = quantize_rows(x[start : start + step])
+    return weight, scale
 
 
 def _int4(quant, parts, linear, dtype, device) -> Int4Linear:
