@@ -60,6 +60,9 @@ class EngineArgs:
     # A GGUF file's quantized weights dequantized at load to the model dtype
     # (more memory, plain GEMMs) instead of kept packed
     dequantize_gguf: bool = False
+    # With a quantization in force (not GGUF), the embedding table and the LM
+    # head (one table when tied) in FP8 E4M3 too, one scale per row
+    quantize_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -74,7 +77,7 @@ class EngineArgs:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "disable_custom_all_reduce",
-                     "dequantize_gguf"):
+                     "dequantize_gguf", "quantize_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):

@@ -1,15 +1,19 @@
 """Quantized weights on a GPU: the memory they save and the speed they give.
 
     python3 benchmarks/quantized.py [--parts memory,decode,community,gguf] [--formats bf16,fp8,int4]
-                                    [--num-requests 64]
+                                    [--quantize-embeddings] [--num-requests 64]
 
 Formats, on the Qwen3-8B shape with random weights (benchmarks_common.qwen3_8b_checkpoint):
 bf16 as stored; fp8 (quantization="fp8": E4M3 weights quantized at load, per
 output channel); int4 (a GPTQ checkpoint of random 4-bit weights, group 128,
-symmetric, written once by write_gptq next to the bf16 one).
+symmetric, written once by write_gptq next to the bf16 one). With
+--quantize-embeddings, fp8 and int4 also run again as fp8+emb and int4+emb
+(quantize_embeddings=True: the embedding table and LM head in FP8, one
+scale per row) in the memory and decode parts.
   memory     weight bytes the engine holds on the GPU (parameters, buffers,
-             GGUF blocks), all of them and the decoder projections alone, each
-             against bf16; and what the engine allocated, less its KV cache.
+             GGUF blocks): all of them and the decoder projections alone, each
+             against bf16, and the embedding table with the LM head (one table
+             when tied); and what the engine allocated, less its KV cache.
   decode     one decode step at batch 1 and 16, context 1024 (as decode_step.py),
              against the format's own floor: the weights a step reads as held
              (all but the embedding table, a lookup; the LM head is read whole)
@@ -169,52 +173,61 @@ def decode_rows(core, floor, batches=(1, 16), context: int = 1024, steps: int = 
     return rows
 
 
+def variants(formats: list[str], embeddings: bool) -> list[tuple[str, str, bool]]:
+    """(label, format, quantize_embeddings) of each engine the memory and
+    decode parts build: every format, then with embeddings fp8 and int4 again
+    with their embedding table and LM head in FP8."""
+    return [(f, f, False) for f in formats] + [(f"{f}+emb", f, True) for f in formats if embeddings and f != "bf16"]
+
+
 def format_parts(args, formats, bw, rate) -> None:
-    """The memory and decode parts: one engine per format."""
+    """The memory and decode parts: one engine per format (and variant)."""
     from benchmarks_common import StepFloor, qwen3_8b_checkpoint
     from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
 
     memory, decode = {}, {}
-    for fmt in formats:
+    for label, fmt, emb in variants(formats, args.quantize_embeddings):
         model = str(qwen3_8b_gptq() if fmt == "int4" else qwen3_8b_checkpoint())
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         try:
             core = EngineCore(EngineArgs(model=model, quantization=QUANTIZATION[fmt], device="cuda", max_num_seqs=16,
-                                         max_model_len=1024, enable_prefix_caching=False, num_kv_blocks=16 * 64))
+                                         max_model_len=1024, enable_prefix_caching=False, num_kv_blocks=16 * 64,
+                                         quantize_embeddings=emb))
         except Exception as e:  # one format's failure is reported; the others still run
-            print(f"{fmt}: the engine failed to start: {type(e).__name__}: {e}")
+            print(f"{label}: the engine failed to start: {type(e).__name__}: {e}")
             continue
         torch.cuda.synchronize()
         kv = core.executor.kv
         allocated = torch.cuda.memory_allocated() - before - kv.numel() * kv.element_size()
         sizes = held_bytes(core.executor.model)
-        memory[fmt] = (core.quantization, sizes, allocated)
+        memory[label] = (core.quantization, sizes, allocated)
         if "decode" in args.parts:
             floor = StepFloor(core, bw, rate)
             floor.weight_bytes = step_read_bytes(sizes)  # as held, not the bf16 count
-            decode[fmt] = (floor.weight_bytes, decode_rows(core, floor))
+            decode[label] = (floor.weight_bytes, decode_rows(core, floor))
         release(core)
         del core
 
     if "memory" in args.parts and memory:
         print("\nweight memory on the GPU (targets, projections: fp8 <= 0.53x, int4 <= 0.3x of bf16)")
-        print(f"{'format':<6} {'weights GiB':>11} {'x bf16':>7} {'proj GiB':>9} {'x bf16':>7} {'alloc-KV GiB':>12}"
-              "  quantization")
+        print(f"{'format':<8} {'weights GiB':>11} {'x bf16':>7} {'proj GiB':>9} {'x bf16':>7} "
+              f"{'vocab GiB':>9} {'alloc-KV GiB':>12}  quantization")
         base = memory["bf16"][1] if "bf16" in memory else None
         for fmt, (quant, sizes, allocated) in memory.items():
             total = sum(sizes.values())
             r_all = f"{total / sum(base.values()):7.3f}" if base else f"{'-':>7}"
             r_proj = f"{sizes['projections'] / base['projections']:7.3f}" if base else f"{'-':>7}"
-            print(f"{fmt:<6} {total / GiB:11.2f} {r_all} {sizes['projections'] / GiB:9.2f} {r_proj} "
-                  f"{allocated / GiB:12.2f}  {quant}")
+            vocab = sizes["embedding"] + sizes["lm_head"]
+            print(f"{fmt:<8} {total / GiB:11.2f} {r_all} {sizes['projections'] / GiB:9.2f} {r_proj} "
+                  f"{vocab / GiB:9.2f} {allocated / GiB:12.2f}  {quant}")
     if decode:
         print("\ndecode step, context 1024, overlapped scheduling (target at batch 1: <= 1.5x floor)")
-        print(f"{'format':<6} {'read GiB':>8} {'batch':>5} {'step ms':>8} {'floor ms':>8} {'x floor':>7}  bound")
+        print(f"{'format':<8} {'read GiB':>8} {'batch':>5} {'step ms':>8} {'floor ms':>8} {'x floor':>7}  bound")
         for fmt, (read, rows) in decode.items():
             for batch, t, fl, bound in rows:
-                print(f"{fmt:<6} {read / GiB:8.2f} {batch:>5} {t * 1e3:8.3f} {fl * 1e3:8.3f} {t / fl:7.2f}  {bound}")
+                print(f"{fmt:<8} {read / GiB:8.2f} {batch:>5} {t * 1e3:8.3f} {fl * 1e3:8.3f} {t / fl:7.2f}  {bound}")
 
 
 def community(args, formats, bw, rate) -> None:
@@ -289,6 +302,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)}")
+    parser.add_argument("--quantize-embeddings", action="store_true",
+                        help="memory and decode also for fp8 and int4 with quantize_embeddings=True")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the community workload")
     args = parser.parse_args()
     args.parts, formats = args.parts.split(","), args.formats.split(",")

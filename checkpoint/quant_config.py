@@ -26,9 +26,13 @@ class QuantConfig:
     sym: bool = True  # gptq: zero point fixed at 8
     static_input_scale: bool = False  # fp8: activations scaled by the checkpoint's input_scale
     in_checkpoint: bool = True  # False: quantized from a float checkpoint at load
+    embeddings: bool = False  # the embedding table and LM head in FP8 too (EngineArgs.quantize_embeddings)
 
     def describe(self) -> str:
         """What is in force, for the startup log and /metrics."""
+        return self._projections() + ("; embeddings and lm_head fp8 (e4m3, per row)" if self.embeddings else "")
+
+    def _projections(self) -> str:
         if self.method == "awq":
             return f"awq ({self.bits}-bit, group {self.group_size})"
         if self.method == "gptq":

@@ -58,7 +58,7 @@ class TPExecutor:
         device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, device)  # what the ranks run in
         # The ranks resolve the same; refused here, before any worker starts.
-        self.quant = resolve_quantization(args.quantization, args.dequantize_gguf, model_cfg, device, self.dtype, size)
+        self.quant = resolve_quantization(args, model_cfg, device, self.dtype, size)
         self._dir = tempfile.mkdtemp(prefix="headrace-tp-")  # 0700: sockets and the process-group rendezvous
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)

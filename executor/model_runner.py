@@ -152,8 +152,7 @@ class ModelRunner:
             torch.set_num_threads(max(1, envs.cpu_threads() // tp.size))
         self.dtype = resolve_dtype(args.dtype, model_cfg.checkpoint_dtype, self.device)
         self.block_size = args.block_size
-        self.quant = resolve_quantization(args.quantization, args.dequantize_gguf, model_cfg, self.device,
-                                          self.dtype, tp.size)
+        self.quant = resolve_quantization(args, model_cfg, self.device, self.dtype, tp.size)
         self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len, tp, self.quant)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the temporaries of quantizing at load, for the KV pool

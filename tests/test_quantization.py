@@ -18,6 +18,7 @@ from headrace import LLM, SamplingParams
 from headrace.checkpoint import ConfigError
 from headrace.config import EngineArgs
 from headrace.executor.models.quant import Fp8Linear, Int4Linear, resolve_quantization
+from headrace.executor.parallel import TPGroup
 from tests.conftest import ARCHS, assert_blocks_free, hf_greedy
 from tests.quant_checkpoints import quantize_checkpoint
 from tests.test_generate import prompts_of_lengths
@@ -224,8 +225,12 @@ class ModelDtypeBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("fmt", ["at-load", "fp8", "gptq", "awq"])  # at-load: fp8 quantizing a float checkpoint
-def test_loading_holds_at_most_one_float_weight_beside_the_quantized_model(fmt, checkpoint, tmp_path):
+# (checkpoint format or "at-load" for fp8 quantizing a float checkpoint, quantize_embeddings)
+LOAD_CASES = [("at-load", False), ("at-load", True), ("fp8", False), ("gptq", True), ("awq", False)]
+
+
+@pytest.mark.parametrize("fmt, vocab", LOAD_CASES)
+def test_loading_holds_at_most_one_float_weight_beside_the_quantized_model(fmt, vocab, checkpoint, tmp_path):
     """Loaded in bfloat16 from float32 (or quantized) tensors: the bfloat16
     tensors alive at any time during load are the quantized model's own plus
     at most the one weight being quantized (and its quantizer's temporary),
@@ -239,8 +244,8 @@ def test_loading_holds_at_most_one_float_weight_beside_the_quantized_model(fmt, 
     if fmt != "at-load":
         quantize_checkpoint(src, path, fmt, group=32)
     cfg = ModelConfig.from_dir(path)
-    asked = "fp8" if fmt == "at-load" else None
-    quant = resolve_quantization(asked, False, cfg, torch.device("cpu"), torch.bfloat16, 1)
+    args = EngineArgs(model=str(path), quantization="fp8" if fmt == "at-load" else None, quantize_embeddings=vocab)
+    quant = resolve_quantization(args, cfg, torch.device("cpu"), torch.bfloat16, 1)
     with ModelDtypeBytes(torch.bfloat16) as mode:
         model = load_model(cfg, torch.bfloat16, torch.device("cpu"), 64, quant=quant)
     held = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]
@@ -248,8 +253,112 @@ def test_loading_holds_at_most_one_float_weight_beside_the_quantized_model(fmt, 
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     with torch.device("meta"):  # the float model's shapes
         floats = {n: p.numel() * 2 for n, p in LlamaForCausalLM(cfg, 64).named_parameters()}
-    replaced = [n for n in floats if n.endswith("_proj.weight")]
+    vocab_names = ("embed_tokens.", "lm_head.") if vocab else ()
+    replaced = [n for n in floats if n.endswith("_proj.weight") or n.startswith(vocab_names)]
     largest = max(floats[n] for n in replaced)
     # the weight being quantized, the |weight| its quantizer takes, and their row maxima
     assert mode.peak <= held + 2 * largest + largest // 8
     assert sum(floats[n] for n in replaced) > 4 * largest, "the bound could not tell one weight from all of them"
+
+
+def fp8_vocab(model: nn.Module) -> nn.Module:
+    """transformers' model with the embedding table and LM head (one table
+    when tied) replaced by their FP8 values per row, dequantized, and the LM
+    head's input quantized per token, as an Fp8Linear does."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embed.weight
+    embed.weight.data = fake_fp8(embed.weight.data)
+    if not tied:
+        head.weight.data = fake_fp8(head.weight.data)
+    head.register_forward_pre_hook(lambda m, args: (fake_fp8(args[0]),))
+    return model
+
+
+# (arch, format): tied (qwen3) and untied tables, fp8 at load and each checkpoint format
+VOCAB_CASES = [("llama", "at-load"), ("qwen3", "at-load"), ("qwen2", "gptq"), ("qwen3", "awq"), ("llama", "fp8")]
+
+
+@pytest.mark.parametrize("arch, fmt", VOCAB_CASES)
+def test_quantize_embeddings_matches_the_dequantized_reference(arch, fmt, checkpoint, tmp_path):
+    """quantize_embeddings: transformers on the same weights with the table
+    and head as their FP8 values; against the same without them, the flag
+    changes some output."""
+    from transformers import AutoModelForCausalLM
+
+    from headrace.executor.models.quant import Fp8Embedding
+
+    src = checkpoint(arch)
+    path = src if fmt == "at-load" else tmp_path / fmt
+    deq = None if fmt == "at-load" else quantize_checkpoint(src, path, fmt, group=32)
+
+    def projections_reference() -> nn.Module:
+        if fmt == "at-load":
+            return fp8_reference(AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval())
+        return reference(src, deq, {p: fake_fp8 for p in PROJECTIONS} if fmt == "fp8" else None)
+
+    llm = assert_greedy_matches(path, fp8_vocab(projections_reference()), projections_reference(),
+                                quantize_embeddings=True, quantization="fp8" if fmt == "at-load" else None)
+    model = llm.engine.executor.model
+    assert isinstance(model.embed_tokens, Fp8Embedding) and isinstance(model.lm_head, Fp8Linear)
+    assert model.embed_tokens.weight.dtype == torch.float8_e4m3fn
+    assert model.lm_head.weight.shape[0] == 1008  # 1000 rows padded for _scaled_mm, which takes multiples of 16
+    assert (model.lm_head.weight is model.embed_tokens.weight) == (arch == "qwen3")  # tied: one table
+    assert llm.engine.quantization.endswith("; embeddings and lm_head fp8 (e4m3, per row)")
+    llm.shutdown()
+
+
+def test_quantize_embeddings_is_refused_without_a_quantization_and_for_gguf(checkpoint, tmp_path):
+    from headrace.core.engine import EngineCore
+    from tests.test_gguf import Q8_0, _tiny_gguf
+
+    with pytest.raises(ValueError, match="quantize_embeddings must be True or False"):
+        EngineArgs(model="unused", quantize_embeddings=1)
+    with pytest.raises(ConfigError, match=r"quantize_embeddings .* runs unquantized: set quantization='fp8'"):
+        LLM(str(checkpoint("llama")), quantize_embeddings=True, max_model_len=64)
+    path = _tiny_gguf(tmp_path / "tiny.gguf", {"attn_q.weight": Q8_0})
+    for extra in ({}, {"quantization": "gguf"}, {"dequantize_gguf": True}):
+        with pytest.raises(ConfigError, match="quantize_embeddings does not apply to a GGUF file of quantized "
+                                              "blocks .*: the file decides its own tensor types"):
+            EngineCore(EngineArgs(model=path, device="cpu", quantize_embeddings=True, **extra))
+
+
+class _Alone(TPGroup):
+    """A rank's group whose collectives leave its own part as it is (no other rank runs)."""
+
+    def all_reduce(self, x):
+        return x
+
+    def all_gather_columns(self, x, dtype):
+        return x.to(dtype)
+
+
+def test_quantize_embeddings_splits_the_vocabulary_over_ranks(checkpoint):
+    """Each of two ranks holds its rows of the FP8 table and head (the last
+    rank's padded): their lookups add up to one rank's, and their logits side
+    by side are one rank's."""
+    from headrace.checkpoint.config import ModelConfig
+    from headrace.executor.models.loader import load_model
+
+    path = checkpoint("qwen2", vocab_size=1001)
+    cfg = ModelConfig.from_dir(path)
+    args = EngineArgs(model=str(path), quantization="fp8", quantize_embeddings=True)
+    quant = resolve_quantization(args, cfg, torch.device("cpu"), torch.float32, 2)
+    one, *ranks = [load_model(cfg, torch.float32, torch.device("cpu"), 64, tp, quant)
+                   for tp in (TPGroup(), _Alone(rank=0, size=2), _Alone(rank=1, size=2))]
+    ids = torch.arange(cfg.vocab_size)
+    assert torch.equal(sum(m.embed(ids) for m in ranks), one.embed(ids))
+    hidden = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = torch.cat([m.compute_logits(hidden) for m in ranks], dim=1)[:, : cfg.vocab_size]
+    torch.testing.assert_close(logits, one.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_embeddings_on_two_ranks(checkpoint):
+    """The workers build the FP8 table and head too (greedy output as one rank's
+    is not expected: the projections' inputs are quantized per rank's slice)."""
+    path = checkpoint("qwen2", vocab_size=1001)
+    with LLM(path, tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=64, quantization="fp8",
+             quantize_embeddings=True) as llm:
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 6
+        assert llm.engine.quantization.endswith("embeddings and lm_head fp8 (e4m3, per row)")

@@ -95,16 +95,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = TPGroup(),
                  meta: tuple[str, ...] = ()) -> None:
         """meta: the weights the loader builds in quantized form, held on the
-        meta device until then: "projections" (the decoder's)."""
+        meta device until then: "projections" (the decoder's), "embeddings" (the
+        embedding table and the LM head)."""
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.vocab_start, self.vocab_rows = vocab_rows(cfg.vocab_size, tp)  # this rank's slice of the vocabulary
-        self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size)
+        vocab_meta = "embeddings" in meta
+        self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size, device="meta" if vocab_meta else None)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp, "projections" in meta)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.vocab_rows, bias=False)
+        # With tied embeddings the table serves as the LM head (an FP8 table: lm_head shares its buffers).
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, self.vocab_rows, False,
+                                                                    vocab_meta)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -125,10 +129,12 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = nn.functional.linear(hidden, weight)
+        if self.lm_head is None:
+            logits = nn.functional.linear(hidden, self.embed_tokens.weight)
+        else:  # an FP8 head's rows are padded to a multiple of 16
+            logits = self.lm_head(hidden)[:, : self.vocab_rows]
         if self.tp.size == 1:
-            return logits.float()
+            return logits.float().contiguous()
         return self.tp.all_gather_columns(logits, torch.float32)[:, : self.cfg.vocab_size]
 
     def shard_sizes(self, fused: str) -> list[int]:

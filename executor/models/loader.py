@@ -5,6 +5,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -14,7 +15,8 @@ from headrace.checkpoint.gguf import Blocks, GGUFFile, hf_config, hf_tensors, is
 from headrace.checkpoint.paths import weight_files
 from headrace.checkpoint.quant_config import QuantConfig
 from headrace.executor.models.llama import LlamaForCausalLM
-from headrace.executor.models.quant_formats import build_layer, is_quantized
+from headrace.executor.models.quant import Fp8Embedding, Fp8Linear
+from headrace.executor.models.quant_formats import build_layer, is_quantized, quantize_by_rows
 from headrace.executor.parallel import TPGroup
 
 MODELS = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
@@ -25,12 +27,13 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
                tp: TPGroup = TPGroup(), quant: QuantConfig | None = None) -> torch.nn.Module:
     """The model with this rank's slice of every weight (all of them for one
-    rank), quantized as quant says. The projections, which become quantized
-    layers, are never allocated in the model dtype beside the others: they
-    wait on the meta device. A quantized checkpoint's tensors are gathered per projection
+    rank), quantized as quant says. The weights that become quantized layers
+    (the projections; with quant.embeddings the embedding table and LM head)
+    are never allocated in the model dtype beside the others: they wait on the
+    meta device. A quantized checkpoint's tensors are gathered per projection
     and built once all are read; a float weight quantized at load (fp8) is
     quantized as soon as all its parts are read, one at a time on the device."""
-    meta = () if quant is None else ("projections",)
+    meta = () if quant is None else ("projections", "embeddings") if quant.embeddings else ("projections",)
     with torch.device(device), _default_dtype(dtype):  # no float32 copy of the model first
         model = MODELS[cfg.model_type](cfg, max_positions, tp, meta)
     model = model.eval().requires_grad_(False)
@@ -52,6 +55,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
             parts.setdefault(shard, {})[suffix] = tensor
             if not quant.in_checkpoint and len(parts) == _num_parts(model, target):
                 _replace(model, target, pending.pop(target), quant, dtype, device, loaded)  # all parts read
+        elif quant is not None and quant.embeddings and name in ("embed_tokens.weight", "lm_head.weight"):
+            _quantize_vocab(model, name, tensor, dtype, device, loaded)
         else:
             _load_tensor(model, params, loaded, ckpt_name, tensor, device)
     for target, parts in pending.items():
@@ -116,6 +121,26 @@ def _replace(model, target: str, parts: dict[int, dict], quant: QuantConfig, dty
     loaded.pop(f"{target}.weight")
 
 
+def _quantize_vocab(model, name: str, tensor: torch.Tensor, dtype, device, loaded) -> None:
+    """The embedding table or the LM head in FP8 as soon as it is read; tied,
+    the table's buffers serve as the LM head too."""
+    tied = model.cfg.tie_word_embeddings
+    if name == "lm_head.weight" and tied:
+        return  # the checkpoint may carry a copy of the table
+    attr = name.removesuffix(".weight")
+    shape = getattr(model, attr).weight.shape
+    tensor = model.tp_slice(name, tensor)
+    if tensor.shape != shape:
+        raise ConfigError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+    pad = -shape[0] % 16  # zero rows: _scaled_mm takes a multiple of 16 output features (compute_logits cuts them)
+    weight, scale = quantize_by_rows(F.pad(tensor, (0, 0, 0, pad)).to(device, dtype))
+    if attr == "embed_tokens":
+        model.embed_tokens = Fp8Embedding(weight, scale, dtype)
+    if attr == "lm_head" or tied:
+        model.lm_head = Fp8Linear(weight, scale, None)
+    loaded.pop(name)
+
+
 def _safetensors(path: Path):
     """(name, tensor) for every tensor of a checkpoint directory's safetensors files."""
     for file in weight_files(path):
@@ -138,7 +163,7 @@ def _load_tensor(model, params, loaded, ckpt_name: str, tensor: torch.Tensor, de
     if ckpt_name.endswith(_IGNORED_SUFFIXES):
         return
     name = ckpt_name.removeprefix("model.")
-    if name == "lm_head.weight" and model.lm_head is None:
+    if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
         return  # tied embeddings: the checkpoint may carry a copy
     tensor = model.tp_slice(name, tensor)
     target, offset = name, 0

@@ -1,10 +1,14 @@
 """Quantized linear layers, and which quantization an engine runs.
 
 The decoder's projections (q|k|v, o, gate|up, down) become one of these;
-embeddings, norms and the LM head stay in the model dtype. Each layer calls
-a kernels/ launcher on a GPU and its dequantizing torch reference elsewhere.
+norms stay in the model dtype, and so do the embedding table and the LM head
+unless quantize_embeddings puts them in FP8 (Fp8Embedding and an Fp8Linear
+head; tied, they share one table). Each layer calls a kernels/ launcher on a
+GPU and its dequantizing torch reference elsewhere.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +17,10 @@ from torch import nn
 from headrace.checkpoint import ConfigError
 from headrace.checkpoint.config import ModelConfig
 from headrace.checkpoint.quant_config import QuantConfig
-from headrace.kernels import dispatch
+from headrace.config import EngineArgs
+from headrace.kernels import dispatch, fp8, int4
 from headrace.kernels.gguf import PackedGGUF
+from headrace.kernels.splitk import counters
 
 # The projections each decoder layer holds.
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -39,11 +45,30 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", weight)  # [out, in] float8_e4m3fn
         self.register_buffer("weight_scale", weight_scale)  # [out, 1] float32
         self.register_buffer("input_scale", input_scale)  # [] float32, or None: per token
+        # the few-rows kernel's split-K counters (kernels/splitk.py)
+        self.register_buffer("counts", counters(fp8.few_rows_tiles(weight.shape[0]), weight.device), persistent=False)
         self.bias = bias
 
     @_flat
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale)
+        if x.is_cuda:
+            return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale, self.counts)
+        return fp8.fp8_linear_ref(x, self.weight, self.weight_scale, self.bias, self.input_scale)
+
+
+class Fp8Embedding(nn.Module):
+    """An embedding table in FP8 E4M3, one scale per row: the rows looked up
+    are widened and scaled into the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)  # [rows, hidden] float8_e4m3fn (rows >= this rank's vocabulary)
+        self.register_buffer("weight_scale", weight_scale)  # [rows, 1] float32
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        rows = self.weight.index_select(0, ids).float() * self.weight_scale.index_select(0, ids)
+        return rows.to(self.dtype)
 
 
 class Int4Linear(nn.Module):
@@ -58,6 +83,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", zeros)  # [in / group_size, out], integers 0..16
         # input feature -> position in the packed order (GPTQ's desc_act), or None
         self.register_buffer("perm", perm)  # [in] int64
+        self.register_buffer("counts", counters(int4.split_k_tiles(qweight.shape[1]), qweight.device),
+                             persistent=False)  # split-K counters (kernels/splitk.py)
         self.group_size = group_size
         self.bias = bias
 
@@ -65,7 +92,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        return dispatch.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+        if x.is_cuda:
+            return int4.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, self.counts)
+        return int4.int4_linear_ref(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
 
 
 class GGUFLinear(nn.Module):
@@ -87,13 +116,17 @@ class GGUFLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def resolve_quantization(asked: str | None, dequantize_gguf: bool, cfg: ModelConfig, device: torch.device,
-                         dtype: torch.dtype, tp_size: int) -> QuantConfig | None:
+def resolve_quantization(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                         tp_size: int) -> QuantConfig | None:
     """The quantization an engine runs: the user's choice against what the
     checkpoint holds and what the device can do, refused with the reason."""
+    asked, dequantize_gguf, vocab = args.quantization, args.dequantize_gguf, args.quantize_embeddings
     held, where = cfg.quant, cfg.path
     if dequantize_gguf and (held is None or held.method != "gguf"):
         raise ConfigError(f"dequantize_gguf applies to a GGUF file with quantized weights; {where} is not one")
+    if vocab and held is not None and held.method == "gguf":
+        raise ConfigError(f"quantize_embeddings does not apply to a GGUF file of quantized blocks ({where}): the "
+                          f"file decides its own tensor types, the embedding table's and LM head's included")
     if held is not None and held.method == "gguf":
         if asked not in (None, "gguf"):
             raise ConfigError(f"quantization={asked!r}: {where} is a GGUF file of quantized blocks; "
@@ -114,16 +147,19 @@ def resolve_quantization(asked: str | None, dequantize_gguf: bool, cfg: ModelCon
     elif asked == "fp8":
         held = QuantConfig("fp8", bits=8, in_checkpoint=False)
     if held is None:
+        if vocab:
+            raise ConfigError(f"quantize_embeddings puts the embedding table and LM head in FP8 beside quantized "
+                              f"projections, but {where} runs unquantized: set quantization='fp8' as well")
         return None
     if held.in_checkpoint and tp_size > 1:
         raise ConfigError(f"{held.method} checkpoints run on one GPU; tensor_parallel_size={tp_size} is not "
                           f"supported with them")
-    if held.method == "fp8" and device.type == "cuda":
+    if (held.method == "fp8" or vocab) and device.type == "cuda":
+        what = "fp8" if held.method == "fp8" else "quantize_embeddings (an FP8 table and LM head)"
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
-            raise ConfigError(f"fp8 needs FP8 tensor cores (compute capability 8.9 or newer); "
+            raise ConfigError(f"{what} needs FP8 tensor cores (compute capability 8.9 or newer); "
                               f"{torch.cuda.get_device_name(device)} has {'.'.join(map(str, capability))}")
         if dtype not in (torch.bfloat16, torch.float16):
-            raise ConfigError(f"fp8 on a GPU computes in bfloat16 or float16, not {dtype}; set dtype='bfloat16'")
-    return held
-
+            raise ConfigError(f"{what} on a GPU computes in bfloat16 or float16, not {dtype}; set dtype='bfloat16'")
+    return replace(held, embeddings=vocab)
