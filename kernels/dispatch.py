@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from headrace.kernels import (
-    activation, beam, fp8, gguf, input_prep, int4, logprobs, norm, penalties, rotary, sampling,
+    activation, beam, gguf, input_prep, logprobs, norm, penalties, rotary, sampling,
 )
 
 
@@ -31,6 +31,4 @@ rotary_embedding = _pick(rotary.rotary_ref, "rotary", rotary)
 silu_and_mul = _pick(activation.silu_and_mul_ref, "silu_and_mul", activation)
 prepare_inputs = _pick(input_prep.prepare_inputs_ref, "prepare_inputs", input_prep)
 copy_partial_blocks = _pick(beam.copy_partial_blocks_ref, "copy_partial_blocks", beam)
-fp8_linear = _pick(fp8.fp8_linear_ref, "fp8_linear", fp8)
-int4_linear = _pick(int4.int4_linear_ref, "int4_linear", int4)
 gguf_linear = _pick(gguf.gguf_linear_ref, "gguf_linear", gguf)
