@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from headrace.kernels import (
-    activation, beam, gguf, input_prep, logprobs, norm, penalties, rotary, sampling,
+    activation, beam, input_prep, logprobs, norm, penalties, rotary, sampling,
 )
 
 
@@ -31,4 +31,3 @@ rotary_embedding = _pick(rotary.rotary_ref, "rotary", rotary)
 silu_and_mul = _pick(activation.silu_and_mul_ref, "silu_and_mul", activation)
 prepare_inputs = _pick(input_prep.prepare_inputs_ref, "prepare_inputs", input_prep)
 copy_partial_blocks = _pick(beam.copy_partial_blocks_ref, "copy_partial_blocks", beam)
-gguf_linear = _pick(gguf.gguf_linear_ref, "gguf_linear", gguf)

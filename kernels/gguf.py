@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from headrace.kernels.device import num_sms
+from headrace.kernels.splitk import counters_for, sum_splits
 
 _Q8_0, _Q4_0, _Q4_1, _Q4_K, _Q6_K = (tl.constexpr(i) for i in range(5))
 
@@ -293,7 +294,8 @@ def _dequant(FMT: tl.constexpr, W: tl.constexpr, EVEN_K: tl.constexpr, qs_ptr, d
 # [1, NU, 8], once per thread (when NU is 32 per warp or more, each thread
 # holds its units of every row), else as [BN, NU, 8] (a copy per row, from L1).
 @triton.jit
-def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_qs,
+def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K,
+                      stride_xm, stride_qs,
                       stride_qh, stride_d, stride_sc, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr,
                       BN: tl.constexpr, NU: tl.constexpr, EVEN_K: tl.constexpr, X_ONCE: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
@@ -316,9 +318,11 @@ def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, N
         acc += lo * x_lo
         acc += hi * x_hi
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
+    last = True
     if SPLIT:
-        tl.store(out_ptr + (split * num_rows + row) * N + n, y, mask=n < N)
-    else:
+        y, last = sum_splits(y, part_ptr, count_ptr, row * tl.num_programs(0) + pid_n, split, tl.num_programs(1),
+                             num_rows * N, row * N + n, n < N)
+    if last:
         if HAS_BIAS:
             y += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * N + n, y.to(out_ptr.dtype.element_ty), mask=n < N)
@@ -330,7 +334,8 @@ def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, N
 # the instruction's N. A step is NU units of 16 bytes: two dots, low and high
 # elements. Every load is 4 bytes or more, so Triton can prefetch it stages ahead.
 @triton.jit(do_not_specialize=["M"])
-def _gguf_mm_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_qs,
+def _gguf_mm_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                    stride_xm, stride_qs,
                     stride_qh, stride_d, stride_sc, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr,
                     BN: tl.constexpr, BM: tl.constexpr, NU: tl.constexpr, PRECISION: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
@@ -353,26 +358,14 @@ def _gguf_mm_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, M, 
         acc = tl.dot(hi, tl.load(at + HI, mask=mask, other=0.0), acc, input_precision=PRECISION)
     out_at = rows[None, :] * N + n[:, None]  # [BN, BM]
     mask = (rows < M)[None, :] & (n < N)[:, None]
+    last = True
     if SPLIT:
-        tl.store(out_ptr + split.to(tl.int64) * M * N + out_at, acc, mask=mask)
-    else:
+        acc, last = sum_splits(acc, part_ptr, count_ptr, pid_m * tl.num_programs(1) + pid_n, split,
+                               tl.num_programs(2), M * N, out_at, mask)
+    if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["numel"])
-def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, numel, N, num_splits, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """out = bias + the float32 partials [num_splits, M, N], added in split order (reproducible)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, num_splits):
-        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 class _Config(NamedTuple):
@@ -427,7 +420,8 @@ def _fields(p: PackedGGUF) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
     return (p.qs, d, sc, qh), (p.qs.stride(0), qh.stride(0), d.stride(0), sc.stride(0))
 
 
-def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Config) -> torch.Tensor:
+def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Config,
+            counts: torch.Tensor | None = None) -> torch.Tensor:
     """gguf_linear on a 2-d x [M, K] with the given config (benchmarks compare configs through it)."""
     (m, k), n = x.shape, p.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -444,8 +438,9 @@ def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Con
     tiles_per_split = triton.cdiv(k_tiles, min(split_k, k_tiles))
     split_k = triton.cdiv(k_tiles, tiles_per_split)
     part = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    counts = out if split_k == 1 else counters_for(counts, tiles, x.device)
     fields, field_strides = _fields(p)
-    args = (x, *fields, p.d if bias is None else bias, part)
+    args = (x, *fields, p.d if bias is None else bias, out, part, counts)
     strides = (x.stride(0), *field_strides, tiles_per_split)
     common = dict(FMT=fmt.code, HI=fmt.hi, BN=cfg.block_n, NU=units, EVEN_K=k // (2 * width) % units == 0,
                   HAS_BIAS=bias is not None, SPLIT=split_k > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -456,11 +451,13 @@ def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Con
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
         _gguf_mm_kernel[grid](*args, m, n, k, *strides, BM=cfg.block_m,
                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common)
-    if split_k > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, args[5], out, m * n, n, split_k,
-                                                         HAS_BIAS=bias is not None, BLOCK=block)
     return out
+
+
+def split_k_tiles(n: int) -> int:
+    """The most output tiles a split-K launch of gguf_linear on N rows of W has (its counters,
+    kernels/splitk.py): the decode GEMV's narrowest row tiles, for its one row of x."""
+    return triton.cdiv(n, min(cfg.block_n for cfg in _DECODE.values()))
 
 
 # Triton, for many rows: program (row tile, K tile) writes W's [BN, NU * 32]
@@ -506,9 +503,11 @@ def dequantize_gguf_triton(p: PackedGGUF, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
-def gguf_linear(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None) -> torch.Tensor:
-    """gguf_linear_ref's result in one launch (two where K is split): x [..., K] -> [..., N]. From
-    DEQUANTIZE_ROWS rows on a GPU, W is dequantized by a Triton kernel, then F.linear (cuBLAS).
+def gguf_linear(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None,
+                counts: torch.Tensor | None = None) -> torch.Tensor:
+    """gguf_linear_ref's result in one launch: x [..., K] -> [..., N]. From DEQUANTIZE_ROWS rows
+    on a GPU, W is dequantized by a Triton kernel, then F.linear (cuBLAS). counts: the layer's
+    split-K counters (split_k_tiles(N) of them, zero between calls).
 
     The launches depend only on shapes (no host syncs, no autotuning), so they
     can be captured in a CUDA graph; results do not depend on the run.
@@ -523,5 +522,5 @@ def gguf_linear(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None) -> to
     if x.is_cuda and x2.shape[0] >= DEQUANTIZE_ROWS:
         out = F.linear(x2, dequantize_gguf_triton(p, x.dtype), bias)
     else:
-        out = _launch(x2, p, bias, _pick_config(x2.shape[0], p.type_name, x.device))
+        out = _launch(x2, p, bias, _pick_config(x2.shape[0], p.type_name, x.device), counts)
     return out.reshape(*x.shape[:-1], p.shape[0])

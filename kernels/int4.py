@@ -273,7 +273,7 @@ def dequantize_int4_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: t
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int, bias: torch.Tensor | None, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """int4_linear_ref's result in one or two launches; x's last dimension must be contiguous.
+    """int4_linear_ref's result in one launch (two from DEQUANTIZE_ROWS rows); x's last dimension must be contiguous.
     counts: the layer's split-K counters (split_k_tiles(N) of them, zero between calls)."""
     _check_input(x, qweight, scales, zeros, group_size, bias)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):

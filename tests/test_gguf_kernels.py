@@ -21,6 +21,7 @@ from headrace.kernels.gguf import (  # noqa: E402
     DEQUANTIZE_ROWS, FORMATS, _Config, _launch, dequantize_gguf, dequantize_gguf_triton, gguf_linear, gguf_linear_ref,
     pack_gguf, packed_nbytes,
 )
+from headrace.kernels.splitk import counters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TYPE_IDS = {name: type_id for type_id, name in GGML_TYPES.items() if name in FORMATS}
@@ -163,8 +164,10 @@ def test_linear_forced_configs(name, cfg):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, k, generator=g).to(DEVICE)
     bias = torch.randn(n, generator=g).to(DEVICE)
-    got = _launch(x, p, bias, cfg)
+    counts = counters(n * 2, DEVICE)  # room for the tiles of either row of x
+    got = _launch(x, p, bias, cfg, counts)
     _assert_close(got, gguf_linear_ref(x, p, bias), x, dequantize_gguf(p), bias)
+    assert not counts.any()  # the split-K counters are back at zero
 
 
 @pytest.mark.parametrize("m", [1, 16])

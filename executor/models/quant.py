@@ -18,7 +18,7 @@ from headrace.checkpoint import ConfigError
 from headrace.checkpoint.config import ModelConfig
 from headrace.checkpoint.quant_config import QuantConfig
 from headrace.config import EngineArgs
-from headrace.kernels import dispatch, fp8, int4
+from headrace.kernels import fp8, gguf, int4
 from headrace.kernels.gguf import PackedGGUF
 from headrace.kernels.splitk import counters
 
@@ -36,8 +36,10 @@ def _flat(linear):
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T + b with W in FP8 E4M3, one scale per output channel; x is
-    quantized per token as it comes, or by the checkpoint's static input_scale."""
+    """y = x W^T + b with W in FP8 E4M3, one scale per output channel. Above
+    kernels/fp8.py's FEW_ROWS rows on a GPU, and always in the reference, x is
+    quantized per token as it comes, or by the checkpoint's static input_scale;
+    fewer rows on a GPU multiply x as it is."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  input_scale: torch.Tensor | None = None) -> None:
@@ -105,15 +107,24 @@ class GGUFLinear(nn.Module):
     def __init__(self, parts: list[PackedGGUF | torch.Tensor], bias: torch.Tensor | None) -> None:
         super().__init__()
         self.parts = parts  # each [rows, in]: packed blocks, or a float weight
+        rows = max(p.shape[0] for p in parts)
+        device = parts[0].qs.device if isinstance(parts[0], PackedGGUF) else parts[0].device
+        # split-K counters (kernels/splitk.py), shared by the parts: they run one after another
+        self.register_buffer("counts", counters(gguf.split_k_tiles(rows), device), persistent=False)
         self.bias = bias
 
     @_flat
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1 and isinstance(self.parts[0], PackedGGUF):
-            return dispatch.gguf_linear(x, self.parts[0], self.bias)
-        y = torch.cat([dispatch.gguf_linear(x, p, None) if isinstance(p, PackedGGUF) else F.linear(x, p)
+            return self._blocks(x, self.parts[0], self.bias)
+        y = torch.cat([self._blocks(x, p, None) if isinstance(p, PackedGGUF) else F.linear(x, p)
                        for p in self.parts], dim=-1)
         return y if self.bias is None else y + self.bias
+
+    def _blocks(self, x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            return gguf.gguf_linear(x, p, bias, self.counts)
+        return gguf.gguf_linear_ref(x, p, bias)
 
 
 def resolve_quantization(args: EngineArgs, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
