@@ -30,6 +30,7 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_FLOAT_TYPES = ("F32", "F16", "BF16")  # tensor types stored as plain floats, not blocks
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -103,7 +104,7 @@ class GGUFFile:
         """A quantized 2-D tensor's raw blocks, one row per output row; None for a float tensor."""
         ggml_type, shape, offset = self.tensors[name]
         type_name = gguf_quants.GGML_TYPES.get(ggml_type, str(ggml_type))
-        if len(shape) != 2 or type_name in ("F32", "F16", "BF16"):
+        if len(shape) != 2 or type_name in _FLOAT_TYPES:
             return None
         start = self._start + offset
         try:
@@ -171,7 +172,7 @@ def quantized_types(f: GGUFFile) -> set[str]:
     """The block formats the file's layer weights are stored in (empty: all floats)."""
     names = {gguf_quants.GGML_TYPES.get(t, str(t)) for n, (t, shape, _) in f.tensors.items()
              if n.startswith("blk.") and len(shape) == 2}
-    return names - {"F32", "F16", "BF16"}
+    return names - set(_FLOAT_TYPES)
 
 
 def hf_tensors(f: GGUFFile, cfg: dict, packed: bool = False) -> Iterator[tuple[str, np.ndarray | Blocks]]:
