@@ -20,10 +20,8 @@ from headrace.config import EngineArgs
 from headrace.executor.models.quant import Fp8Linear, Int4Linear, resolve_quantization
 from headrace.executor.parallel import TPGroup
 from tests.conftest import ARCHS, assert_blocks_free, hf_greedy
-from tests.quant_checkpoints import quantize_checkpoint
+from tests.quant_checkpoints import PROJECTIONS, quantize_checkpoint
 from tests.test_generate import prompts_of_lengths
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def fake_fp8(x: torch.Tensor) -> torch.Tensor:
