@@ -144,17 +144,19 @@ def release(engine) -> None:
     torch.cuda.empty_cache()
 
 
-def decode_rows(core, floor, batches=(1, 16), context: int = 1024, steps: int = 12) -> list[tuple]:
+def decode_rows(core, floor, batches=(1, 16), context: int = 1024, steps: int = 12,
+                profiled: tuple[int, ...] = ()) -> list[tuple]:
     """(batch, step seconds, floor seconds, bound) per batch: `batch` requests of
     context - 64 prompt tokens prefilled, then the median of 3 runs of `steps`
-    overlapped decode steps, as decode_step.py times them."""
-    from decode_step import timed_steps
+    overlapped decode steps, as decode_step.py times them; the batches in
+    `profiled` also print where their steps' time goes."""
+    from decode_step import profile, timed_steps
     from headrace.sampling_params import SamplingParams
 
     rows, sched = [], core.scheduler
     for batch in batches:
         rng = random.Random(0)
-        sp = SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True)
+        sp = SamplingParams(temperature=0.6, max_tokens=128, ignore_eos=True)
         for i in range(batch):
             core.add_request(f"{batch}-{i}", [rng.randrange(3, 10000) for _ in range(context - 64)], sp, time.time())
         while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
@@ -165,6 +167,8 @@ def decode_rows(core, floor, batches=(1, 16), context: int = 1024, steps: int = 
         cached = sum(r.num_expected for r in sched.running) + batch * (3 * steps // 2)
         for _ in range(3):
             times.append(timed_steps(core, steps))
+        if batch in profiled:
+            profile(core, steps)  # after the timed runs: the floor's context is theirs
         assert len(sched.running) == batch, "a request finished before the timed steps"
         t_bytes, t_flops = floor.seconds(1, cached, batch, batch, cached)
         rows.append((batch, statistics.median(times), t_bytes + t_flops, "memory" if t_bytes > t_flops else "compute"))
@@ -193,7 +197,7 @@ def format_parts(args, formats, bw, rate) -> None:
         before = torch.cuda.memory_allocated()
         try:
             core = EngineCore(EngineArgs(model=model, quantization=QUANTIZATION[fmt], device="cuda", max_num_seqs=16,
-                                         max_model_len=1024, enable_prefix_caching=False, num_kv_blocks=16 * 64,
+                                         max_model_len=1152, enable_prefix_caching=False, num_kv_blocks=16 * 72,
                                          quantize_embeddings=emb))
         except Exception as e:  # one format's failure is reported; the others still run
             print(f"{label}: the engine failed to start: {type(e).__name__}: {e}")
@@ -206,7 +210,10 @@ def format_parts(args, formats, bw, rate) -> None:
         if "decode" in args.parts:
             floor = StepFloor(core, bw, rate)
             floor.weight_bytes = step_read_bytes(sizes)  # as held, not the bf16 count
-            decode[label] = (floor.weight_bytes, decode_rows(core, floor))
+            profiled = tuple(map(int, args.profile.split(","))) if args.profile else ()
+            if profiled:
+                print(f"--- {label}: where the decode steps' time goes at batch {args.profile}")
+            decode[label] = (floor.weight_bytes, decode_rows(core, floor, profiled=profiled))
         release(core)
         del core
 
@@ -305,6 +312,7 @@ def main() -> None:
     parser.add_argument("--quantize-embeddings", action="store_true",
                         help="memory and decode also for fp8 and int4 with quantize_embeddings=True")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the community workload")
+    parser.add_argument("--profile", default="", help="BATCH[,...]: profile those batches' decode steps")
     args = parser.parse_args()
     args.parts, formats = args.parts.split(","), args.formats.split(",")
     for given, known in ((args.parts, PARTS), (formats, FORMATS)):
