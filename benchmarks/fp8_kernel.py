@@ -9,10 +9,8 @@ activation quantization and torch._scaled_mm above), of the few-rows kernel
 (up to 64 rows) and of quantization plus _scaled_mm, timed as CUDA-graph
 replays cycling through enough weight copies that none stays in L2. The floor
 is the E4M3 weight bytes at the copy bandwidth measured in this run; the peer
-is F.linear on bf16 weights, timed the same way. For the down projection's
-shape it also times a gated input (gate | up, the activation inside the
-few-rows launch) against silu_and_mul launched first. --sweep times the
-few-rows kernel's candidate configs at 1, 4, 16, 48 and 64 rows.
+is F.linear on bf16 weights, timed the same way. --sweep times the few-rows
+kernel's candidate configs at 1, 4 and 16 rows.
 """
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
-from headrace.kernels.activation import silu_and_mul
-from headrace.kernels.fp8 import (DOT_CONFIG, FEW_ROWS, ROW_CONFIG, WIDE_CONFIG, fp8_few_rows, fp8_linear,
-                                  quantize_rows, quantize_rows_triton)
+from headrace.kernels.fp8 import (DOT_CONFIG, FEW_ROWS, ROW_CONFIG, fp8_few_rows, fp8_linear, quantize_rows,
+                                  quantize_rows_triton)
 from headrace.kernels.splitk import counters
 
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]  # (N, K)
@@ -50,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     bw, _ = measure_ceilings(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; few-rows kernel up to {FEW_ROWS} rows, "
-          f"configs {ROW_CONFIG} (one row), {DOT_CONFIG} (to 32), {WIDE_CONFIG} (33 to 64)")
+          f"configs {ROW_CONFIG} (one row), {DOT_CONFIG}")
     print(f"{'N x K':>12} {'M':>4} {'layer us':>9} {'floor us':>9} {'x floor':>8} {'few-rows':>9} {'_scaled_mm':>10} "
           f"{'bf16 us':>8}")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -68,22 +65,10 @@ def main() -> None:
             peer = per_call_us(lambda w: lambda: F.linear(x, w), [(w,) for w in dense])
             print(f"{n:>6}x{k:<5} {m:>4} {layer:9.1f} {floor:9.1f} {layer / floor:8.2f} {few:9.1f} {cublas:10.1f} "
                   f"{peer:8.1f}")
-            if k > n and m <= FEW_ROWS:  # a down projection: the activation inside the launch, or launched first
-                gated_x = torch.randn(m, 2 * k, device="cuda", generator=gen).bfloat16()
-                fused = per_call_us(lambda w, s, c: lambda: fp8_linear(gated_x, w, s, None, counts=c, gated=True),
-                                    weights)
-                apart = per_call_us(lambda w, s, c: lambda: fp8_linear(silu_and_mul(gated_x), w, s, None, counts=c),
-                                    weights)
-                print(f"    gated input: {fused:.1f} us in one launch, {apart:.1f} with silu_and_mul first")
-            if args.sweep and m in (1, 4, 16, 48, 64):
+            if args.sweep and m in (1, 4, 16):
                 results = []
-                if m == 1:
-                    space = itertools.product((4, 8, 16, 32), (512, 1024), (4,), (1, 3))
-                elif m <= 16:
-                    space = itertools.product((16, 32, 64), (128, 256), (4,), (1, 3))
-                else:
-                    space = itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
-                for cfg in space:
+                for cfg in itertools.product((4, 8, 16, 32) if m == 1 else (16, 32, 64),
+                                             (512, 1024) if m == 1 else (128, 256), (4,), (1, 3)):
                     try:
                         us = per_call_us(lambda w, s, c, cfg=cfg: lambda: fp8_few_rows(x, w, s, None, c, cfg),
                                          weights)

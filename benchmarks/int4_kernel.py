@@ -10,11 +10,8 @@ weights are read once per step). The floor is the packed weight, scales,
 zeros, x and y bytes at the copy bandwidth, or 2 M N K FLOPs at the bf16
 matmul rate, whichever is longer, both measured in the same run; the peer is
 F.linear with bf16 weights, timed the same way. err is the largest
-difference from int4_linear_ref relative to the largest output. For the down
-projection's shape and at most GEMV_ROWS rows it also times a gated input
-(gate | up, the activation inside the GEMV's launch) against silu_and_mul
-launched first. --sweep also times the candidate configs of each M bucket
-(up to GEMV_ROWS rows: the GEMV's tiles, and the tl.dot kernel's).
+difference from int4_linear_ref relative to the largest output. --sweep also
+times the candidate configs of each M bucket.
 """
 from __future__ import annotations
 
@@ -24,19 +21,13 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us as per_call_us, measure_ceilings
 
-from headrace.kernels.activation import silu_and_mul
-from headrace.kernels.int4 import (DEQUANTIZE_ROWS, GEMV_ROWS, _Config, _Gemv, _launch, _pick_config, int4_linear,
-                                   int4_linear_ref)
+from headrace.kernels.int4 import DEQUANTIZE_ROWS, _Config, _launch, _pick_config, int4_linear, int4_linear_ref
 
 SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]  # (N, K)
 L2_BYTES = 50 * 2**20
-C, V = _Config, _Gemv
-# Candidates per M bucket for --sweep: (block_m, block_n, block_k, num_warps, num_stages, scale_acc, split_k, regs),
-# or for the GEMV (block_n, block_k, num_warps, num_stages, split_k).
+C = _Config
+# Candidates per M bucket for --sweep: (block_m, block_n, block_k, num_warps, num_stages, scale_acc, split_k, regs).
 SWEEP = {
-    GEMV_ROWS: [V(32, 128, 4, 3), V(64, 128, 4, 3), V(128, 128, 4, 3), V(64, 256, 4, 3), V(128, 64, 4, 3),
-                V(64, 128, 2, 3), V(128, 128, 8, 3), V(256, 64, 8, 3), V(64, 128, 4, 2), V(64, 128, 4, 4),
-                V(64, 128, 4, 3, 4), V(64, 128, 4, 3, 16), C(16, 64, 128, 4, 3, True)],
     16: [C(16, 64, 128, 4, 3, True), C(16, 32, 128, 2, 3, True), C(16, 64, 128, 4, 3, False), C(16, 64, 128, 4, 2, True),
          C(16, 64, 128, 4, 3, True, 4), C(16, 64, 128, 4, 3, True, 8), C(16, 64, 128, 4, 3, True, 16),
          C(16, 128, 128, 8, 3, True)],
@@ -102,11 +93,6 @@ def main() -> None:
                 mark = "table" if cfg == picked else ""
                 print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                       f" {err:8.1e}  {tuple(cfg)} {mark}", flush=True)
-            if k > n and m <= GEMV_ROWS:  # a down projection: the activation inside the launch, or launched first
-                h = torch.randn(m, 2 * k, generator=gen).to(torch.bfloat16).cuda()
-                fused = per_call_us([lambda lay=lay: int4_linear(h, *lay, g, None, gated=True) for lay in layers])
-                apart = per_call_us([lambda lay=lay: int4_linear(silu_and_mul(h), *lay, g, None) for lay in layers])
-                print(f"    gated input: {fused:.1f} us in one launch, {apart:.1f} with silu_and_mul first", flush=True)
             if m >= DEQUANTIZE_ROWS:  # what int4_linear runs there: W dequantized, then cuBLAS
                 t = per_call_us([lambda lay=lay: int4_linear(x, *lay, g, None) for lay in layers])
                 print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"

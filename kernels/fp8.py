@@ -15,9 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from headrace.kernels.activation import silu_and_mul
 from headrace.kernels.device import num_sms
-from headrace.kernels.norm import cast_rtne
 from headrace.kernels.splitk import counters_for, sum_splits
 
 FP8 = torch.float8_e4m3fn
@@ -92,10 +90,8 @@ def fp8_few_rows_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 # and widened, the activations are not quantized (so these rows are more exact
 # than _scaled_mm's, and there is one launch, not two). One row: FMAs in
 # float32, summed along K at each step. Up to FEW_ROWS rows: tl.dot on the
-# weights widened (exactly) to the activation dtype, the rows padded to 16 or more.
+# weights widened (exactly) to the activation dtype, the rows padded to 16 or 32.
 # Program (n tile, split) takes split's run of K; kernels/splitk.py adds the splits.
-# GATED (an MLP's down projection): x holds gate | up and each program computes
-# silu(gate) * up for its slice as it loads it, so the activation is not a launch of its own.
 @triton.jit
 def _e4m3_bits_to_float(b):
     """E4M3 bytes -> their values in float32, decoded by hand: Triton's
@@ -108,9 +104,9 @@ def _e4m3_bits_to_float(b):
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_few_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                         stride_xm, DOT: tl.constexpr, GATED: tl.constexpr, NATIVE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         stride_xm, DOT: tl.constexpr, NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,11 +124,6 @@ def _fp8_few_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, coun
         else:
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k, other=0)
         x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k, other=0.0)
-        if GATED:  # x holds gate | up: the input is silu(gate) * up, rounded as kernels/activation.py rounds
-            up = tl.load(x_ptrs + K, mask=mask_m[:, None] & in_k, other=0.0).to(tl.float32)
-            gate = x.to(tl.float32)
-            act = cast_rtne(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty).to(tl.float32)
-            x = cast_rtne(act * up, x_ptr.dtype.element_ty)
         w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) if NATIVE else _e4m3_bits_to_float(w)
         if DOT:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision="ieee" if x.dtype == tl.float32 else None)
@@ -161,37 +152,23 @@ FEW_ROWS, _MAX_ROWS = 32, 64
 # rows (tl.dot): the fastest on an H100 over Qwen3-8B's four projection shapes
 # (benchmarks/fp8_kernel.py --sweep), within 2% of each shape's own best.
 ROW_CONFIG, DOT_CONFIG = (4, 1024, 4, 1), (32, 256, 4, 3)
-WIDE_CONFIG = (32, 256, 4, 3)  # 33 to 64 rows
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
 
 
 def few_rows_tiles(n: int) -> int:
     """Output tiles of the few-rows kernel on N features, at most (its split-K counters)."""
-    return triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0], WIDE_CONFIG[0]))
-
-
-def few_rows_config(m: int) -> tuple[int, int, int, int]:
-    """The (BLOCK_N, BLOCK_K, num_warps, num_stages) the few-rows kernel runs m rows with."""
-    return ROW_CONFIG if m == 1 else DOT_CONFIG if m <= 32 else WIDE_CONFIG
+    return triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0]))
 
 
 def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 counts: torch.Tensor | None = None, config: tuple | None = None, gated: bool = False) -> torch.Tensor:
+                 counts: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] E4M3 * weight_scale [N, 1])^T + bias, M <= 64, x not quantized;
-    counts: the layer's split-K counters (kernels/splitk.py), zero between calls. gated: x is
-    [M, 2K], gate | up, and the input is kernels/activation.py's silu_and_mul of it, computed
-    as the kernel loads x."""
+    counts: the layer's split-K counters (kernels/splitk.py), zero between calls."""
     m, k = x.shape
     n = weight.shape[0]
     if not 0 < m <= _MAX_ROWS:
         raise ValueError(f"fp8_few_rows takes 1 to {_MAX_ROWS} rows, got {m}")
-    if gated:
-        if k % 2 or k // 2 != weight.shape[1]:
-            raise ValueError(f"a gated input holds gate | up, 2 x {weight.shape[1]} features; x has {k}")
-        k //= 2
-    if x.stride(-1) != 1:
-        raise ValueError("x must be contiguous in its last dimension")
-    block_n, block_k, warps, stages = config or few_rows_config(m)
+    block_n, block_k, warps, stages = config or (DOT_CONFIG if m > 1 else ROW_CONFIG)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles, slices = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
@@ -202,24 +179,19 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     # E4M3 passed as its bytes: the kernel reinterprets them (as the interpreter can too)
     _fp8_few_rows_kernel[(tiles, splits)](
         x, weight.view(torch.uint8), weight_scale, bias if bias is not None else weight_scale, out, part, counts,
-        m, n, k, per_split * block_k, x.stride(0), DOT=m > 1, GATED=gated, NATIVE=x.is_cuda,
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % block_k == 0,
-        BLOCK_M=max(16, triton.next_power_of_2(m)) if m > 1 else 1, BLOCK_N=block_n, BLOCK_K=block_k,
+        m, n, k, per_split * block_k, x.stride(0), DOT=m > 1, NATIVE=x.is_cuda, HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=max(16, triton.next_power_of_2(m)) if m > 1 else 1, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
     return out
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               input_scale: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-               gated: bool = False) -> torch.Tensor:
+               input_scale: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_linear_ref's layer on a GPU: up to FEW_ROWS rows by fp8_few_rows (the activations
     unquantized, input_scale unused); more rows quantized (per token, or by input_scale)
-    for _scaled_mm. gated: x [M, 2K] is gate | up, and the layer's input their silu_and_mul
-    (inside the few-rows kernel, else a launch of its own)."""
+    for _scaled_mm."""
     if 0 < x.shape[0] <= FEW_ROWS and x.stride(-1) == 1:
-        return fp8_few_rows(x, weight, weight_scale, bias, counts, gated=gated)
-    if gated:
-        x = silu_and_mul(x)
+        return fp8_few_rows(x, weight, weight_scale, bias, counts)
     x_q, x_scale = quantize_rows_triton(x) if input_scale is None else quantize_static(x, input_scale)
     # weight.t() is column-major, as _scaled_mm wants its second operand.
     return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), bias=bias,

@@ -17,9 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from headrace.kernels.activation import silu_and_mul
 from headrace.kernels.device import num_sms
-from headrace.kernels.norm import cast_rtne
 from headrace.kernels.splitk import counters_for, sum_splits
 
 _SHIFTS = tuple(range(0, 32, 4))  # bit offset of k % 8 within an int32
@@ -170,90 +168,6 @@ def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Triton, for a few rows (decode at small batches): program (n tile, split) as above, but no
-# tl.dot. The widened [BLOCK_K // 8, 8, BLOCK_N] tile is multiplied by each row's slice of x
-# shaped [BLOCK_K // 8, 8, 1] and summed over the 8 in registers, kept [BLOCK_K // 8, BLOCK_N]
-# per row until the end (so the loop has no cross-thread sums), and scaled per slice. No
-# shared memory and no padding of the rows to 16. GATED (an MLP's down projection): x holds
-# gate | up and each row's slice is silu(gate) * up, rounded as kernels/activation.py rounds.
-@triton.jit
-def _gemv_row(x_ptr, row, stride_xm, offs_x, mask_x, K, GATED: tl.constexpr):
-    """Row `row` of the layer's input at offs_x [BLOCK_K // 8, 8, 1], as float32."""
-    ptrs = x_ptr + row * stride_xm + offs_x
-    x = tl.load(ptrs, mask=mask_x, other=0.0)
-    if GATED:
-        gate = x.to(tl.float32)
-        up = tl.load(ptrs + K, mask=mask_x, other=0.0).to(tl.float32)
-        act = cast_rtne(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty).to(tl.float32)
-        x = cast_rtne(act * up, x_ptr.dtype.element_ty)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _gemv_put(out, row, acc, ROWS_P2: tl.constexpr):
-    """out [ROWS_P2, BLOCK_N] with row `row` set to acc [BLOCK_K // 8, BLOCK_N] summed over K."""
-    return tl.where(tl.arange(0, ROWS_P2)[:, None] == row, tl.sum(acc, axis=0)[None, :], out)
-
-
-@triton.jit
-def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
-                      stride_xm, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                      EVEN_K: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    pid_n, split = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    k_start = split * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    offs_k8 = k_start // 8 + tl.arange(0, BLOCK_K // 8)
-    offs_x = offs_k8[:, None, None] * 8 + tl.arange(0, 8)[None, :, None]  # [BLOCK_K // 8, 8, 1]
-    qw_ptrs = qw_ptr + offs_k8[:, None, None].to(tl.int64) * N + offs_n[None, None, :]  # [BLOCK_K // 8, 1, BLOCK_N]
-    acc0 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
-    acc1 = acc0
-    acc2 = acc0
-    acc3 = acc0
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            mask_x = offs_x >= 0
-            qw = tl.load(qw_ptrs, mask=mask_n[None, None, :], other=0)
-        else:
-            mask_x = offs_x < k_end
-            in_k8 = offs_k8 < k_end // 8
-            qw = tl.load(qw_ptrs, mask=in_k8[:, None, None] & mask_n[None, None, :], other=0)
-        g_off = (k0 // GROUP if GROUP else 0) * N + offs_n
-        zero = tl.load(z_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)
-        scale = tl.load(s_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        w = _q_minus_zero(qw, zero[None, None, :])  # [BLOCK_K // 8, 8, BLOCK_N]
-        acc0 += tl.sum(w * _gemv_row(x_ptr, 0, stride_xm, offs_x, mask_x, K, GATED), axis=1) * scale
-        if ROWS > 1:
-            acc1 += tl.sum(w * _gemv_row(x_ptr, 1, stride_xm, offs_x, mask_x, K, GATED), axis=1) * scale
-        if ROWS > 2:
-            acc2 += tl.sum(w * _gemv_row(x_ptr, 2, stride_xm, offs_x, mask_x, K, GATED), axis=1) * scale
-        if ROWS > 3:
-            acc3 += tl.sum(w * _gemv_row(x_ptr, 3, stride_xm, offs_x, mask_x, K, GATED), axis=1) * scale
-        offs_x += BLOCK_K
-        offs_k8 += BLOCK_K // 8
-        qw_ptrs += (BLOCK_K // 8) * N
-    ROWS_P2: tl.constexpr = 1 if ROWS == 1 else 2 if ROWS == 2 else 4
-    offs_m = tl.arange(0, ROWS_P2)
-    acc = _gemv_put(tl.zeros([ROWS_P2, BLOCK_N], dtype=tl.float32), 0, acc0, ROWS_P2)
-    if ROWS > 1:
-        acc = _gemv_put(acc, 1, acc1, ROWS_P2)
-    if ROWS > 2:
-        acc = _gemv_put(acc, 2, acc2, ROWS_P2)
-    if ROWS > 3:
-        acc = _gemv_put(acc, 3, acc3, ROWS_P2)
-    out_offs = offs_m[:, None] * N + offs_n[None, :]
-    mask = (offs_m < ROWS)[:, None] & mask_n[None, :]
-    last = True
-    if SPLIT:
-        acc, last = sum_splits(acc, part_ptr, count_ptr, pid_n, split, tl.num_programs(1), ROWS * N, out_offs, mask)
-    if last:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 class _Config(NamedTuple):
     block_m: int
     block_n: int
@@ -282,33 +196,14 @@ _CONFIGS = (
 )
 
 
-class _Gemv(NamedTuple):
-    block_n: int
-    block_k: int  # as _Config's
-    num_warps: int
-    num_stages: int
-    split_k: int = 0  # 0: enough K splits to give every SM about two programs
+def _pick_config(m: int) -> _Config:
+    return next(cfg for limit, cfg in _CONFIGS if limit is None or m <= limit)
 
 
-# Up to GEMV_ROWS rows, the FMA kernel (_int4_gemv_kernel) with _GEMV's tiles.
-GEMV_ROWS = 4
-_GEMV = _Gemv(64, 128, 4, 3)
-
-
-def _pick_config(m: int) -> _Config | _Gemv:
-    return _GEMV if m <= GEMV_ROWS else next(cfg for limit, cfg in _CONFIGS if limit is None or m <= limit)
-
-
-def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg: _Config | _Gemv,
-            counts: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """int4_linear on a 2-d x [M, K] with the given tiles (benchmarks compare configs through it).
-    gated: x is [M, 2K], gate | up, and the layer's input their silu_and_mul (a _Gemv does it as it loads x)."""
-    gemv = isinstance(cfg, _Gemv)
-    if gated and not gemv:
-        x = silu_and_mul(x)
-    m, k = x.shape[0], qweight.shape[0] * 8
-    if gemv and not m <= GEMV_ROWS:
-        raise ValueError(f"the int4 GEMV takes 1 to {GEMV_ROWS} rows, got {m}")
+def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg: _Config,
+            counts: torch.Tensor | None = None) -> torch.Tensor:
+    """int4_linear on a 2-d x [M, K] with the given tiles (benchmarks compare configs through it)."""
+    m, k = x.shape
     n = qweight.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -316,20 +211,13 @@ def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg:
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     if group_size != k:
         block_k = min(block_k, group_size & -group_size)  # a power of two dividing G, >= 16
-    tiles = triton.cdiv(n, cfg.block_n) * (1 if gemv else triton.cdiv(m, cfg.block_m))
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     k_slices = triton.cdiv(k, block_k)
     split_k = cfg.split_k or triton.cdiv(2 * num_sms(x.device), tiles)
     slices_per_split = triton.cdiv(k_slices, min(split_k, k_slices))
     split_k = triton.cdiv(k_slices, slices_per_split)
     part = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     counts = out if split_k == 1 else counters_for(counts, tiles, x.device)
-    if gemv:
-        _int4_gemv_kernel[(tiles, split_k)](
-            x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k,
-            slices_per_split * block_k, x.stride(0), GROUP=0 if group_size == k else group_size,
-            HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % block_k == 0, GATED=gated, ROWS=m,
-            BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return out
     _int4_linear_kernel[(tiles, split_k)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, m, n, k,
         slices_per_split * block_k, x.stride(0), GROUP=0 if group_size == k else group_size,
@@ -341,8 +229,8 @@ def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg:
 
 def split_k_tiles(n: int) -> int:
     """The most output tiles a split-K launch on N features has (its counters, kernels/splitk.py)."""
-    return max([triton.cdiv(n, _GEMV.block_n)] + [triton.cdiv(limit, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-                                                   for limit, cfg in _CONFIGS if limit is not None and limit < DEQUANTIZE_ROWS])
+    return max(triton.cdiv(limit, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+               for limit, cfg in _CONFIGS if limit is not None and limit < DEQUANTIZE_ROWS)
 
 
 # Triton, for many rows: program (k tile, n tile) writes W^T [BLOCK_K8 * 8, BLOCK_N]
@@ -384,27 +272,18 @@ def dequantize_int4_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: t
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None, counts: torch.Tensor | None = None,
-                gated: bool = False) -> torch.Tensor:
+                group_size: int, bias: torch.Tensor | None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """int4_linear_ref's result in one launch (two from DEQUANTIZE_ROWS rows); x's last dimension must be contiguous.
-    counts: the layer's split-K counters (split_k_tiles(N) of them, zero between calls). gated: x [..., 2K]
-    holds gate | up and the layer's input is their silu_and_mul (inside the GEMV's launch up to GEMV_ROWS rows)."""
-    if gated:
-        if x.dim() == 0 or x.shape[-1] != 2 * 8 * qweight.shape[0]:
-            raise ValueError(f"a gated input holds gate | up, 2 x {8 * qweight.shape[0]} features; "
-                             f"x has {x.shape[-1] if x.dim() else 0}")
-        _check_input(x[..., :x.shape[-1] // 2], qweight, scales, zeros, group_size, bias)
-    else:
-        _check_input(x, qweight, scales, zeros, group_size, bias)
+    counts: the layer's split-K counters (split_k_tiles(N) of them, zero between calls)."""
+    _check_input(x, qweight, scales, zeros, group_size, bias)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if x.stride(-1) != 1:
         raise ValueError("x must be contiguous in its last dimension")
-    x2 = x.reshape(-1, x.shape[-1])  # [M, K] (or [M, 2K] gated)
-    n = qweight.shape[1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if x2.shape[0] >= DEQUANTIZE_ROWS:
-        out = (silu_and_mul(x2) if gated else x2) @ dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype)
+        out = x2 @ dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype)
         out = out if bias is None else out + bias
-        return out.reshape(*x.shape[:-1], n)
-    out = _launch(x2, qweight, scales, zeros, group_size, bias, _pick_config(x2.shape[0]), counts, gated)
-    return out.reshape(*x.shape[:-1], n)
+        return out.reshape(*x.shape[:-1], qweight.shape[1])
+    out = _launch(x2, qweight, scales, zeros, group_size, bias, _pick_config(x2.shape[0]), counts)
+    return out.reshape(*x.shape[:-1], qweight.shape[1])

@@ -277,19 +277,6 @@ def test_fp8_linear_matches_its_reference(m, k, n, bias):
     assert err < 1e-2, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("m", [1, 8, 32, 33])
-def test_fp8_linear_gated_matches_the_activation_then_the_layer(m):
-    """gated=True takes gate | up: inside the few-rows kernel (bit for bit what silu_and_mul
-    then fp8_linear give), and above FEW_ROWS with the activation launched first."""
-    from headrace.kernels.activation import silu_and_mul
-    from headrace.kernels.fp8 import fp8_linear, quantize_rows
-
-    g = torch.Generator(device="cuda").manual_seed(m)
-    h = torch.randn(m, 2 * 12288, device="cuda", generator=g).bfloat16()
-    w, scale = quantize_rows(torch.randn(4096, 12288, device="cuda", generator=g) * 0.05)
-    assert torch.equal(fp8_linear(h, w, scale, None, gated=True), fp8_linear(silu_and_mul(h), w, scale, None))
-
-
 def logprob_gaps(llm, ref, label: str) -> tuple[float, float]:
     """(mean, max) |logprob| difference between the engine and ref (float32),
     over every prompt token and 8 greedy decode tokens (decode batches take

@@ -16,10 +16,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from headrace.kernels.activation import silu_and_mul  # noqa: E402
 from headrace.kernels.int4 import (  # noqa: E402
-    _CONFIGS, _GEMV, GEMV_ROWS, _launch, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, split_k_tiles,
-    unpack_int4,
+    _CONFIGS, _launch, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, split_k_tiles, unpack_int4,
 )
 from headrace.kernels.splitk import counters  # noqa: E402
 
@@ -123,47 +121,6 @@ def test_every_config_and_split(m, monkeypatch):
             _assert_near(_launch(x, qweight, scales, zeros, g, bias, cfg._replace(split_k=split_k), counts),
                          want, x, w)
             assert not counts.any()
-
-
-@pytest.mark.parametrize("k,n,g", [(384, 72, 64), (200, 40, 200), (96, 130, 16)])
-def test_gemv_every_row_count_and_split(k, n, g, monkeypatch):
-    """The FMA kernel for 1 to GEMV_ROWS rows (K = G with a partial last slice, G = 16,
-    a partial tile of N), K split 1 or 3 ways and as int4_linear splits it; outputs and
-    partials left unwritten would show as NaN, and the counters end at zero."""
-    qweight, scales, zeros = _layer(k, n, g, torch.float16, seed=k + n)
-    w = dequantize_int4(qweight, scales, zeros, g, torch.float16)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).half().to(DEVICE)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
-    counts = counters(split_k_tiles(n), DEVICE)
-    for m in range(1, GEMV_ROWS + 1):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEVICE)
-        want = int4_linear_ref(x, qweight, scales, zeros, g, bias)
-        for split_k in (0, 1, 3):
-            _assert_near(_launch(x, qweight, scales, zeros, g, bias, _GEMV._replace(split_k=split_k), counts),
-                         want, x, w)
-            assert not counts.any()
-    with pytest.raises(ValueError, match=f"1 to {GEMV_ROWS} rows, got {GEMV_ROWS + 1}"):
-        _launch(torch.zeros(GEMV_ROWS + 1, k, dtype=torch.float16, device=DEVICE), qweight, scales, zeros, g, None,
-                _GEMV)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 3, 5])
-def test_gated_input_is_the_activation_then_the_layer(dtype, m):
-    """gated=True (an MLP's down projection given gate | up): the GEMV computes the
-    activation as it loads x, rounded as kernels/activation.py's kernel rounds, so its
-    result is bit for bit silu_and_mul then int4_linear; more rows run the two in turn."""
-    k, n, g = 256, 40, 64
-    qweight, scales, zeros = _layer(k, n, g, dtype, seed=m)
-    gen = torch.Generator().manual_seed(m)
-    wide = (torch.randn(m, 2 * k + 16, generator=gen) * 3).to(dtype).to(DEVICE)
-    h = wide[:, :2 * k]  # gate | up, rows 2K + 16 apart
-    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    want = int4_linear(silu_and_mul(h), qweight, scales, zeros, g, bias)
-    assert torch.equal(int4_linear(h, qweight, scales, zeros, g, bias, gated=True), want)
-    with pytest.raises(ValueError, match=rf"gate \| up, 2 x {k} features; x has {k}"):
-        int4_linear(h[:, :k], qweight, scales, zeros, g, bias, gated=True)
 
 
 def test_strided_and_batched_x_and_reproducible():

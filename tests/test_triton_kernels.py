@@ -269,22 +269,3 @@ def test_fp8_few_rows_matches_reference(m, k, n, bias):
         got = fp8_few_rows(*args, counts=counts)
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         assert not counts.any()
-
-
-@pytest.mark.parametrize("m, k, n, dtype", [(1, 3000, 40, torch.float32), (5, 200, 96, torch.float16),
-                                            (1, 512, 72, torch.bfloat16), (24, 1024, 40, torch.bfloat16)])
-def test_fp8_few_rows_gated_is_the_activation_then_the_kernel(m, k, n, dtype):
-    """gated=True (a down projection taking gate | up): the same output, bit for bit, as
-    silu_and_mul's output through the kernel, and a bad width is refused."""
-    from headrace.kernels.activation import silu_and_mul
-    from headrace.kernels.fp8 import fp8_few_rows, quantize_rows
-
-    g = _gen(m, k, n)
-    h = (torch.randn(m, 2 * k, generator=g) * 2).to(dtype).to(DEVICE)
-    w, w_scale = quantize_rows(torch.randn(n, k, generator=g) * 0.05)
-    w, w_scale = w.to(DEVICE), w_scale.to(DEVICE)
-    want = fp8_few_rows(silu_and_mul(h), w, w_scale, None)
-    got = fp8_few_rows(h, w, w_scale, None, gated=True)
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match=r"gate \| up, 2 x \d+ features"):
-        fp8_few_rows(h[:, :-2].contiguous(), w, w_scale, None, gated=True)

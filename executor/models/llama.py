@@ -61,9 +61,7 @@ class MLP(nn.Module):
         self.down_proj = _linear(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, meta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        gated = getattr(self.down_proj, "forward_gated", None)  # a quantized layer that applies the activation itself
-        return self.tp.all_reduce(gated(h) if gated is not None else self.down_proj(silu_and_mul(h)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):

@@ -1,7 +1,6 @@
 """Quantized linear layers, and which quantization an engine runs.
 
-The decoder's projections (q|k|v, o, gate|up, down) become one of these
-(a down projection that can take gate | up itself has forward_gated);
+The decoder's projections (q|k|v, o, gate|up, down) become one of these;
 norms stay in the model dtype, and so do the embedding table and the LM head
 unless quantize_embeddings puts them in FP8 (Fp8Embedding and an Fp8Linear
 head; tied, they share one table). Each layer calls a kernels/ launcher on a
@@ -19,7 +18,6 @@ from headrace.checkpoint import ConfigError
 from headrace.checkpoint.config import ModelConfig
 from headrace.checkpoint.quant_config import QuantConfig
 from headrace.config import EngineArgs
-from headrace.executor.models.layers import silu_and_mul
 from headrace.kernels import fp8, gguf, int4
 from headrace.kernels.gguf import PackedGGUF
 from headrace.kernels.splitk import counters
@@ -58,14 +56,6 @@ class Fp8Linear(nn.Module):
         if x.is_cuda:
             return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale, self.counts)
         return fp8.fp8_linear_ref(x, self.weight, self.weight_scale, self.bias, self.input_scale)
-
-    @_flat
-    def forward_gated(self, h: torch.Tensor) -> torch.Tensor:
-        """self(silu_and_mul(h)), h = gate | up: on a GPU the activation runs inside the GEMM's launch."""
-        if h.is_cuda:
-            return fp8.fp8_linear(h, self.weight, self.weight_scale, self.bias, self.input_scale, self.counts,
-                                  gated=True)
-        return self.forward(silu_and_mul(h))
 
 
 class Fp8Embedding(nn.Module):
@@ -107,14 +97,6 @@ class Int4Linear(nn.Module):
         if x.is_cuda:
             return int4.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, self.counts)
         return int4.int4_linear_ref(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
-
-    @_flat
-    def forward_gated(self, h: torch.Tensor) -> torch.Tensor:
-        """self(silu_and_mul(h)), h = gate | up: on a GPU, for few rows, the activation runs inside the GEMM's launch."""
-        if h.is_cuda and self.perm is None:
-            return int4.int4_linear(h, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
-                                    self.counts, gated=True)
-        return self.forward(silu_and_mul(h))
 
 
 class GGUFLinear(nn.Module):
