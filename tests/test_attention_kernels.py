@@ -125,10 +125,10 @@ def test_paged_attention_decode(poisoned, block_size, heads, head_dim, dtype):
         DECODE, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=block_size * 999 + num_heads * 7 + head_dim)
     scale = head_dim**-0.5
     ref = paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, scale)
-    # The decode kernel alone (max_query_len 1): the picked split count (1 for
-    # these short contexts), splits that leave some partitions empty (3 and 16
-    # over at most 5 key tiles of 64); then the general kernel on the same rows.
-    for kw in [{}, dict(num_splits=3), dict(num_splits=16), dict(use_decode_kernel=False)]:
+    # The decode kernel alone (max_query_len 1): the picked split count (one
+    # 64-key tile a split here), 1 and 3 splits, 32 (the most, leaving some
+    # empty: at most 5 key tiles); then the general kernel on the same rows.
+    for kw in [{}, dict(num_splits=1), dict(num_splits=3), dict(num_splits=32), dict(use_decode_kernel=False)]:
         out = _run(q, kv_cache, qsl, seq_lens, block_tables, scale, 1, max(seq_lens), **kw)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype), msg=lambda m: f"{kw}: {m}")
 
@@ -151,9 +151,11 @@ def test_paged_attention_split_is_chosen_for_long_contexts():
     from headrace.kernels.attention import _decode_num_splits
 
     cpu = torch.device("cpu")
-    assert _decode_num_splits(cpu, 1, 8, 100) == 1
-    assert _decode_num_splits(cpu, 1, 8, 8192) == 16
-    assert _decode_num_splits(cpu, 256, 8, 8192) == 1
+    assert _decode_num_splits(cpu, 1, 8, 60) == 1  # one key tile
+    assert _decode_num_splits(cpu, 1, 8, 1152) == 18  # by length: 64 keys a split
+    assert _decode_num_splits(cpu, 1, 8, 8192) == 32  # the most
+    assert _decode_num_splits(cpu, 8, 8, 8192) == 7  # by occupancy: 3 programs on each of 132 SMs
+    assert _decode_num_splits(cpu, 64, 8, 8192) == 1
 
 
 def test_paged_attention_torch_adapter():

@@ -1,0 +1,67 @@
+"""The decode attention kernel (kernels/attention.py) by K split count, against the bytes it reads.
+
+    python3 benchmarks/decode_attention.py [--batches 1,4,16,64] [--contexts 256,1024,4096] [--splits 1,2,...]
+
+Qwen3's attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 cache,
+16-token blocks). Each request has `context` tokens in the cache; the kernel is
+given max_seq_len = context + 128 (a CUDA graph is captured with a bound above
+the live contexts). Microseconds per call, timed as CUDA-graph replays cycling
+through enough caches that none stays in L2; the floor is the K and V bytes at
+the copy bandwidth measured in the same run. "auto" is the split count
+paged_attention picks by itself.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from benchmarks_common import graph_call_us, measure_ceilings
+
+from headrace.kernels.attention import _decode_num_splits, paged_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+L2_BYTES = 50 * 2**20
+
+
+def caches(batch: int, context: int, count: int, gen: torch.Generator):
+    """count (q, kv_cache, query_start_loc, seq_lens, block_tables), blocks in a shuffled order."""
+    blocks_per_req = -(-context // BLOCK)
+    out = []
+    for _ in range(count):
+        kv = torch.randn(2, batch * blocks_per_req, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).bfloat16().cuda()
+        tables = torch.randperm(batch * blocks_per_req, generator=gen).reshape(batch, blocks_per_req)
+        q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).bfloat16().cuda()
+        qsl = torch.arange(batch + 1, dtype=torch.int32).cuda()
+        lens = torch.full((batch,), context, dtype=torch.int32).cuda()
+        out.append((q, kv, qsl, lens, tables.to(torch.int32).cuda()))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--contexts", default="256,1024,4096")
+    parser.add_argument("--splits", default="1,2,4,8,16,24,32")
+    args = parser.parse_args()
+    bw, _ = measure_ceilings(torch.device("cuda"))
+    gen = torch.Generator().manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s")
+    splits = list(map(int, args.splits.split(",")))
+    print(f"{'batch':>5} {'context':>7} {'floor us':>8} {'auto':>9} " + " ".join(f"{s:>7}" for s in splits))
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+            sets = caches(batch, context, max(2, -(-4 * L2_BYTES // kv_bytes)), gen)
+            bound = context + 128
+
+            def us(n):
+                return graph_call_us([lambda s=s: paged_attention(*s, 0.088, 1, bound, num_splits=n) for s in sets])
+
+            auto = _decode_num_splits(torch.device("cuda"), batch, KV_HEADS, bound)
+            floor = kv_bytes / bw * 1e6
+            cells = " ".join(f"{us(s):7.1f}" for s in splits)
+            print(f"{batch:>5} {context:>7} {floor:8.1f} {us(None):5.1f}/{auto:<3} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
