@@ -1,7 +1,7 @@
 """Quantized weights on a GPU: the memory they save and the speed they give.
 
     python3 benchmarks/quantized.py [--parts memory,decode,community,gguf] [--formats bf16,fp8,int4]
-                                    [--quantize-embeddings] [--num-requests 64]
+                                    [--quantize-embeddings] [--num-requests 64] [--profile 1,16]
 
 Formats, on the Qwen3-8B shape with random weights (benchmarks_common.qwen3_8b_checkpoint):
 bf16 as stored; fp8 (quantization="fp8": E4M3 weights quantized at load, per
@@ -18,7 +18,9 @@ scale per row) in the memory and decode parts.
              against the format's own floor: the weights a step reads as held
              (all but the embedding table, a lookup; the LM head is read whole)
              and the cached KV at the measured copy bandwidth, plus the matmul
-             and attention FLOPs at the measured bf16 matmul rate.
+             and attention FLOPs at the measured bf16 matmul rate. --profile
+             BATCH[,...] then prints where those batches' steps spend their time
+             (GPU time per kernel, host time per function; decode_step.profile).
   community  benchmarks_common.workload of --num-requests requests (temperature
              0.6, ignore_eos, max_model_len 4096) in bf16 and fp8 (int4 is left
              out to keep the run short): output tokens/s, and time over the floor
