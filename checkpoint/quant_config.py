@@ -27,16 +27,20 @@ class QuantConfig:
     static_input_scale: bool = False  # fp8: activations scaled by the checkpoint's input_scale
     in_checkpoint: bool = True  # False: quantized from a float checkpoint at load
     embeddings: bool = False  # the embedding table and LM head in FP8 too (EngineArgs.quantize_embeddings)
+    lm_head: bool = False  # gptq: the checkpoint holds the LM head quantized too (quantization_config.lm_head)
 
     def describe(self) -> str:
         """What is in force, for the startup log and /metrics."""
-        return self._projections() + ("; embeddings and lm_head fp8 (e4m3, per row)" if self.embeddings else "")
+        vocab = ("embeddings fp8 (e4m3, per row)" if self.lm_head else
+                 "embeddings and lm_head fp8 (e4m3, per row)")
+        return self._projections() + (f"; {vocab}" if self.embeddings else "")
 
     def _projections(self) -> str:
         if self.method == "awq":
             return f"awq ({self.bits}-bit, group {self.group_size})"
         if self.method == "gptq":
-            extra = (", desc_act" if self.desc_act else "") + ("" if self.sym else ", asymmetric")
+            extra = ((", desc_act" if self.desc_act else "") + ("" if self.sym else ", asymmetric")
+                     + (", lm_head too" if self.lm_head else ""))
             return f"gptq ({self.bits}-bit, group {self.group_size}{extra})"
         if self.method == "fp8":
             scales = "static" if self.static_input_scale else "per-token"
@@ -52,6 +56,8 @@ def parse_quant_config(q) -> QuantConfig | None:
     if not isinstance(q, dict):
         raise ConfigError(f"config.json field quantization_config must be an object, got {q!r}")
     method = q.get("quant_method")
+    if q.get("lm_head", False) is not False and method != "gptq":
+        _refuse("lm_head", q["lm_head"], "only GPTQ checkpoints may hold a quantized LM head")
     if method == "fp8":
         return _fp8(q)
     if method in ("awq", "gptq"):
@@ -88,10 +94,11 @@ def _int4(q: dict, method: str) -> QuantConfig:
     fmt = q.get("checkpoint_format", "gptq")
     if fmt != "gptq":
         _refuse("checkpoint_format", fmt, "only 'gptq' (zero points stored minus one)")
-    for name in ("desc_act", "sym"):
+    for name in ("desc_act", "sym", "lm_head"):
         if not isinstance(q.get(name, name == "sym"), bool):
             _refuse(name, q.get(name), "true or false")
-    return QuantConfig("gptq", bits=4, group_size=group, desc_act=q.get("desc_act", False), sym=q.get("sym", True))
+    return QuantConfig("gptq", bits=4, group_size=group, desc_act=q.get("desc_act", False), sym=q.get("sym", True),
+                       lm_head=q.get("lm_head", False))
 
 
 def _refuse(name: str, value, why: str) -> None:

@@ -77,11 +77,11 @@ def _fp8(w: torch.Tensor, per_tensor: bool):
     return q, scale.reshape(()) if per_tensor else scale, q.float() * scale
 
 
-def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int = 32, sym: bool = True,
-                        desc_act: bool = False, static: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
-    """dst: src with its projections in `fmt` ("fp8", "awq", "gptq"). Returns
-    {weight name: dequantized float32 weight}, plus for static FP8
-    {input name: input_scale}."""
+def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int = 32, sym: bool = True, desc_act: bool = False,
+                        static: bool = False, lm_head: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
+    """dst: src with its projections in `fmt` ("fp8", "awq", "gptq"); with
+    lm_head (GPTQ), the LM head too. Returns {weight name: dequantized float32
+    weight}, plus for static FP8 {input name: input_scale}."""
     dst = Path(dst)
     shutil.copytree(src, dst)
     (files,) = list(dst.glob("*.safetensors"))
@@ -90,7 +90,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int = 32, sym: bo
     deq, out, orders = {}, {}, {}
     for name, t in tensors.items():
         stem, _, suffix = name.rpartition(".")
-        if suffix != "weight" or not stem.endswith(PROJECTIONS):
+        if suffix != "weight" or not (stem.endswith(PROJECTIONS) or lm_head and stem == "lm_head"):
             out[name] = t
             continue
         w = t.float()
@@ -107,8 +107,8 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int = 32, sym: bo
             # Groups in a random order of the input features, one order per
             # input: GPTQ orders by the input's statistics, so q, k and v
             # (and gate and up) share theirs.
-            shared = stem.rsplit(".", 1)[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj", "up_proj": ".gate_proj"}.get(
-                stem.rsplit(".", 1)[1], "." + stem.rsplit(".", 1)[1])
+            parent, _, proj = stem.rpartition(".")
+            shared = parent + "." + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(proj, proj)
             if shared not in orders:
                 orders[shared] = torch.randperm(k, generator=gen)
             g_idx = g_idx[orders[shared]]
@@ -131,5 +131,7 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, group: int = 32, sym: bo
         "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": sym,
                  "checkpoint_format": "gptq"},
     }[fmt]
+    if lm_head:
+        config["quantization_config"]["lm_head"] = True
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return deq

@@ -71,6 +71,8 @@ INT4_CASES = [
     ("qwen2", "gptq", dict(group=16, sym=False, desc_act=True)),
     ("qwen3", "gptq", dict(group=-1, sym=True, desc_act=True)),
     ("qwen3", "gptq", dict(group=128, sym=False, desc_act=False, hidden_size=128, intermediate_size=256)),
+    ("llama", "gptq", dict(group=32, sym=False, desc_act=True, lm_head=True)),
+    ("qwen2", "gptq", dict(group=16, sym=True, desc_act=False, lm_head=True)),
 ]
 SHAPE_KEYS = ("hidden_size", "intermediate_size")
 
@@ -118,6 +120,9 @@ def test_int4_checkpoint_matches_the_dequantized_reference(arch, fmt, opts, chec
         assert isinstance(proj, Int4Linear) and proj.qweight.dtype == torch.int32
     # desc_act reorders the input features, unless there is one group
     assert (layer.self_attn.qkv_proj.perm is not None) == (opts.get("desc_act", False) and opts["group"] != -1)
+    head = llm.engine.executor.model.lm_head  # a GPTQ checkpoint's quantized LM head (lm_head: true) stays so
+    assert isinstance(head, Int4Linear) == opts.get("lm_head", False)
+    assert llm.engine.quantization.endswith(", lm_head too)") == opts.get("lm_head", False)
     llm.shutdown()
 
 
@@ -165,10 +170,17 @@ def test_bad_quantized_checkpoints_are_refused_by_name(checkpoint, tmp_path):
         (dict(group_size=48), r"in_features 128 is not a multiple of the group size 48"),
         (dict(group_size=8), r"group size 8 is not supported: the int4 kernel takes groups of a multiple of 16"),
         (dict(group_size=64), r"down_proj: qzeros has shape \(4, 8\), expected \(2, 8\)"),  # written for 32
+        (dict(lm_head="yes"), r"quantization_config\.lm_head='yes' is not supported: true or false"),
+        (dict(quant_method="awq", lm_head=True), r"lm_head=True is not supported: only GPTQ checkpoints"),
+        (dict(lm_head=True), r"lm_head is true, but the checkpoint stores lm_head\.weight unquantized"),
     ]
     for i, (override, message) in enumerate(cases):
         with pytest.raises(ConfigError, match=message):
             LLM(_with_config(src, tmp_path / f"bad{i}", **override), max_model_len=64)
+    tied = tmp_path / "tied"
+    quantize_checkpoint(checkpoint("qwen3"), tied, "gptq", group=32, lm_head=True)  # tied: no lm_head.weight to quantize
+    with pytest.raises(ConfigError, match=r"lm_head is true, but the model ties its LM head to the embedding table"):
+        LLM(str(tied), max_model_len=64)
     with pytest.raises(ConfigError, match=r"quantization='awq'.*holds gptq weights"):
         LLM(_with_config(src, tmp_path / "ok", bits=4), quantization="awq", max_model_len=64)
     with pytest.raises(ConfigError, match=r"quantization='gptq'.*holds no gptq weights"):

@@ -96,7 +96,7 @@ class LlamaForCausalLM(nn.Module):
                  meta: tuple[str, ...] = ()) -> None:
         """meta: the weights the loader builds in quantized form, held on the
         meta device until then: "projections" (the decoder's), "embeddings" (the
-        embedding table and the LM head)."""
+        embedding table and the LM head), "lm_head" (the LM head alone)."""
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.vocab_start, self.vocab_rows = vocab_rows(cfg.vocab_size, tp)  # this rank's slice of the vocabulary
@@ -108,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # With tied embeddings the table serves as the LM head (an FP8 table: lm_head shares its buffers).
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, self.vocab_rows, False,
-                                                                    vocab_meta)
+                                                                    vocab_meta or "lm_head" in meta)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] float32
         if self.lm_head is None:
             logits = nn.functional.linear(hidden, self.embed_tokens.weight)
-        else:  # an FP8 head's rows are padded to a multiple of 16
+        else:  # an FP8 head's rows are padded to a multiple of 16 (a GPTQ head's are not)
             logits = self.lm_head(hidden)[:, : self.vocab_rows]
         if self.tp.size == 1:
             return logits.float().contiguous()

@@ -28,12 +28,13 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
                tp: TPGroup = TPGroup(), quant: QuantConfig | None = None) -> torch.nn.Module:
     """The model with this rank's slice of every weight (all of them for one
     rank), quantized as quant says. The weights that become quantized layers
-    (the projections; with quant.embeddings the embedding table and LM head)
-    are never allocated in the model dtype beside the others: they wait on the
+    (the projections; with quant.embeddings the embedding table and LM head;
+    a GPTQ checkpoint's LM head where it holds one quantized) are never allocated in the model dtype beside the others: they wait on the
     meta device. A quantized checkpoint's tensors are gathered per projection
     and built once all are read; a float weight quantized at load (fp8) is
     quantized as soon as all its parts are read, one at a time on the device."""
-    meta = () if quant is None else ("projections", "embeddings") if quant.embeddings else ("projections",)
+    meta = () if quant is None else (("projections",) + (("embeddings",) if quant.embeddings else ())
+                                     + (("lm_head",) if quant.lm_head else ()))
     with torch.device(device), _default_dtype(dtype):  # no float32 copy of the model first
         model = MODELS[cfg.model_type](cfg, max_positions, tp, meta)
     model = model.eval().requires_grad_(False)
@@ -47,7 +48,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     for ckpt_name, tensor in tensors:
         name = ckpt_name.removeprefix("model.")
         stem, _, suffix = name.rpartition(".")
-        if quant is not None and stem.endswith(_PARTS) and is_quantized(quant, suffix, tensor):
+        if (quant is not None and (stem.endswith(_PARTS) or quant.lm_head and stem == "lm_head")
+                and is_quantized(quant, suffix, tensor)):
             target, shard = _fused(model, stem)
             if not quant.in_checkpoint:
                 tensor = _float_part(model, ckpt_name, target, shard, tensor)
@@ -55,6 +57,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
             parts.setdefault(shard, {})[suffix] = tensor
             if not quant.in_checkpoint and len(parts) == _num_parts(model, target):
                 _replace(model, target, pending.pop(target), quant, dtype, device, loaded)  # all parts read
+        elif quant is not None and quant.lm_head and name == "lm_head.weight":
+            raise ConfigError(f"{cfg.path}: quantization_config.lm_head is true, but the checkpoint stores "
+                              f"lm_head.weight unquantized")
         elif quant is not None and quant.embeddings and name in ("embed_tokens.weight", "lm_head.weight"):
             _quantize_vocab(model, name, tensor, dtype, device, loaded)
         else:

@@ -162,6 +162,9 @@ def resolve_quantization(args: EngineArgs, cfg: ModelConfig, device: torch.devic
             raise ConfigError(f"quantize_embeddings puts the embedding table and LM head in FP8 beside quantized "
                               f"projections, but {where} runs unquantized: set quantization='fp8' as well")
         return None
+    if held.lm_head and cfg.tie_word_embeddings:
+        raise ConfigError(f"{where}: quantization_config.lm_head is true, but the model ties its LM head to the "
+                          f"embedding table (tie_word_embeddings), which a GPTQ checkpoint does not quantize")
     if held.in_checkpoint and tp_size > 1:
         raise ConfigError(f"{held.method} checkpoints run on one GPU; tensor_parallel_size={tp_size} is not "
                           f"supported with them")
