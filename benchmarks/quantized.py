@@ -1,15 +1,17 @@
 """Quantized weights on a GPU: the memory they save and the speed they give.
 
-    python3 benchmarks/quantized.py [--parts memory,decode,community,gguf] [--formats bf16,fp8,int4]
+    python3 benchmarks/quantized.py [--parts memory,decode,community,gguf] [--formats bf16,fp8,int4,int4-head]
                                     [--quantize-embeddings] [--num-requests 64] [--profile 1,16]
 
 Formats, on the Qwen3-8B shape with random weights (benchmarks_common.qwen3_8b_checkpoint):
 bf16 as stored; fp8 (quantization="fp8": E4M3 weights quantized at load, per
 output channel); int4 (a GPTQ checkpoint of random 4-bit weights, group 128,
-symmetric, written once by write_gptq next to the bf16 one). With
---quantize-embeddings, fp8 and int4 also run again as fp8+emb and int4+emb
-(quantize_embeddings=True: the embedding table and LM head in FP8, one
-scale per row) in the memory and decode parts.
+symmetric, written once by write_gptq next to the bf16 one); int4-head (the
+same with the LM head in GPTQ 4-bit too, quantization_config.lm_head). With
+--quantize-embeddings, the quantized formats also run again as fp8+emb,
+int4+emb and int4-head+emb (quantize_embeddings=True: the embedding table
+and LM head in FP8, one scale per row; int4-head keeps its 4-bit LM head) in
+the memory and decode parts.
   memory     weight bytes the engine holds on the GPU (parameters, buffers,
              GGUF blocks): all of them and the decoder projections alone, each
              against bf16, and the embedding table with the LM head (one table
@@ -48,19 +50,20 @@ from pathlib import Path
 import torch
 
 PARTS = ("memory", "decode", "community", "gguf")
-FORMATS = ("bf16", "fp8", "int4")
-QUANTIZATION = {"bf16": None, "fp8": "fp8", "int4": "gptq"}
+FORMATS = ("bf16", "fp8", "int4", "int4-head")
+QUANTIZATION = {"bf16": None, "fp8": "fp8", "int4": "gptq", "int4-head": "gptq"}
 # A decoder projection's float weight in a Hugging Face checkpoint.
 PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 GiB = 2**30
 
 
-def write_gptq(src: Path, dst: Path, group_size: int = 128, seed: int = 0) -> Path:
-    """dst: the checkpoint src with each decoder projection replaced by random
-    GPTQ 4-bit weights (random bits, zero point 8, fp16 scales around
-    0.02 / 4.6 so that the dequantized weights have a std near 0.02, as
-    src's), written shard by shard; every other tensor and file as in src.
-    Built once, in dst.part renamed to dst when complete."""
+def write_gptq(src: Path, dst: Path, group_size: int = 128, lm_head: bool = False, seed: int = 0) -> Path:
+    """dst: the checkpoint src with each decoder projection (and with lm_head,
+    the LM head: quantization_config.lm_head) replaced by random GPTQ 4-bit
+    weights (random bits, zero point 8, fp16 scales around 0.02 / 4.6 so that
+    the dequantized weights have a std near 0.02, as src's), written shard by
+    shard; every other tensor and file as in src. Built once, in dst.part
+    renamed to dst when complete."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -74,7 +77,7 @@ def write_gptq(src: Path, dst: Path, group_size: int = 128, seed: int = 0) -> Pa
             shutil.copy2(f, work / f.name)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
-                                     "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+                                     "desc_act": False, "sym": True, "checkpoint_format": "gptq", "lm_head": lm_head}
     (work / "config.json").write_text(json.dumps(config, indent=2))
     gen = torch.Generator().manual_seed(seed)
     scale = 0.02 / 21.5**0.5  # q - 8, q uniform over 0..15, has an rms of sqrt(21.5)
@@ -83,7 +86,7 @@ def write_gptq(src: Path, dst: Path, group_size: int = 128, seed: int = 0) -> Pa
         shard = {}
         with safe_open(str(file), "pt") as f:
             for name in f.keys():
-                if not PROJECTION.search(name):
+                if not (PROJECTION.search(name) or lm_head and name == "lm_head.weight"):
                     shard[name] = f.get_tensor(name)
                     continue
                 out, k = f.get_slice(name).get_shape()
@@ -103,11 +106,12 @@ def write_gptq(src: Path, dst: Path, group_size: int = 128, seed: int = 0) -> Pa
     return dst
 
 
-def qwen3_8b_gptq() -> Path:
+def qwen3_8b_gptq(lm_head: bool = False) -> Path:
     from benchmarks_common import qwen3_8b_checkpoint
     from headrace import envs
 
-    return write_gptq(qwen3_8b_checkpoint(), envs.cache_dir() / "qwen3-8b-random-gptq")
+    name = "qwen3-8b-random-gptq" + ("-head" if lm_head else "")
+    return write_gptq(qwen3_8b_checkpoint(), envs.cache_dir() / name, lm_head=lm_head)
 
 
 def held_bytes(model) -> dict[str, int]:
@@ -194,7 +198,7 @@ def format_parts(args, formats, bw, rate) -> None:
 
     memory, decode = {}, {}
     for label, fmt, emb in variants(formats, args.quantize_embeddings):
-        model = str(qwen3_8b_gptq() if fmt == "int4" else qwen3_8b_checkpoint())
+        model = str(qwen3_8b_gptq(fmt == "int4-head") if fmt.startswith("int4") else qwen3_8b_checkpoint())
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         try:
@@ -248,7 +252,7 @@ def community(args, formats, bw, rate) -> None:
     model = str(qwen3_8b_checkpoint())
     prompts, max_tokens = workload(args.num_requests)
     rows = {}
-    for fmt in [f for f in formats if f != "int4"]:
+    for fmt in [f for f in formats if not f.startswith("int4")]:
         core = EngineCore(EngineArgs(model=model, quantization=QUANTIZATION[fmt], device="cuda", max_model_len=4096,
                                      max_num_seqs=256, enable_prefix_caching=False))
         floor = StepFloor(core, bw, rate)
