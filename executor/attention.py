@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headrace.kernels.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from headrace.kernels.attention import paged_attention, paged_attention_ref
 
 
 @dataclass
@@ -24,7 +24,8 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Writes this step's keys and values to the cache, then attends over it.
+    """Attends over the paged cache, which already holds this step's keys and
+    values (the decoder writes them as it rotates them: kernels/qkv.py).
 
     kv_cache is bound by the model runner after it sizes the KV pool:
     [2, num_blocks, block_size, num_kv_heads, head_dim].
@@ -38,13 +39,11 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    def forward(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]
         if q.is_cuda:  # Triton kernels
-            write_kv(k, v, self.kv_cache, meta.slot_mapping)
             return paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                    self.scale, meta.max_query_len, meta.max_seq_len)
-        write_kv_ref(k, v, self.kv_cache, meta.slot_mapping)
         return paged_attention_ref(
             q, self.kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables, self.scale
         )

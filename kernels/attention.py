@@ -1,4 +1,5 @@
-"""Paged attention and the KV-cache write: torch references.
+"""Paged attention (torch reference and Triton kernels), and the KV-cache
+write's reference (on a GPU kernels/qkv.py writes the cache as it rotates k).
 
 KV cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
 (index 0 keys, 1 values). A token at position p of a request lives in block
@@ -131,55 +132,6 @@ _NEG = tl.constexpr(-1.0e30)  # a constexpr global: readable inside kernels
 _MAX_SPLITS = 32
 _MIN_KEYS_PER_SPLIT = 64
 _PROGRAMS_PER_SM = 3
-
-
-@triton.jit
-def _write_kv_kernel(
-    k_ptr, stride_kt, stride_kh,
-    v_ptr, stride_vt, stride_vh,
-    cache_ptr, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
-    slot_mapping_ptr,
-    num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # a padding token: nothing to write
-        return
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h < num_kv_heads)[:, None] & (d < head_dim)[None, :]  # [BLOCK_H, BLOCK_D]
-    dst = cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot \
-        + h[:, None] * stride_c_h + d[None, :]
-    k = tl.load(k_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(dst, cast_rtne(k.to(tl.float32), cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_c_kv, cast_rtne(v.to(tl.float32), cache_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv(
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] token -> flat slot, -1 to skip
-) -> None:
-    """Triton version of write_kv_ref: one program per token, all its heads at once."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
-    assert kv_cache.shape[0] == 2 and kv_cache.shape[3:] == (num_kv_heads, head_dim)
-    assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1
-    if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        k, k.stride(0), k.stride(1),
-        v, v.stride(0), v.stride(1),
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        slot_mapping,
-        num_kv_heads, head_dim,
-        BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-    )
 
 
 @triton.jit

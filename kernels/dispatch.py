@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from headrace.kernels import (
-    activation, beam, input_prep, logprobs, norm, penalties, rotary, sampling,
+    activation, beam, input_prep, logprobs, norm, penalties, qkv, sampling,
 )
 
 
@@ -27,7 +27,7 @@ token_ranks = _pick(logprobs.token_ranks_ref, "token_ranks", logprobs)
 fill_token_ids = _pick(logprobs.fill_token_ids_ref, "fill_token_ids", logprobs)
 gumbel_sample = _pick(sampling.gumbel_sample_ref, "gumbel_sample", sampling)
 rms_norm = _pick(norm.rms_norm_ref, "rms_norm", norm)
-rotary_embedding = _pick(rotary.rotary_ref, "rotary", rotary)
+rope_and_cache = _pick(qkv.rope_and_cache_ref, "rope_and_cache", qkv)
 silu_and_mul = _pick(activation.silu_and_mul_ref, "silu_and_mul", activation)
 prepare_inputs = _pick(input_prep.prepare_inputs_ref, "prepare_inputs", input_prep)
 copy_partial_blocks = _pick(beam.copy_partial_blocks_ref, "copy_partial_blocks", beam)

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 from tests.test_kernels import dense_causal_attention  # noqa: E402
 from headrace.kernels.attention import (  # noqa: E402
-    paged_attention, paged_attention_ref, paged_attention_torch, write_kv, write_kv_ref,
+    paged_attention, paged_attention_ref, paged_attention_torch,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -164,26 +164,3 @@ def test_paged_attention_torch_adapter():
     out = paged_attention_torch(q, kv_cache, torch.tensor(qsl, **i32), torch.tensor(seq_lens, **i32), block_tables,
                                 0.3, 7, max(seq_lens))
     torch.testing.assert_close(out, paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, 0.3), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("block_size,num_kv_heads,head_dim,src_dtype,cache_dtype", [
-    (1, 4, 32, torch.float32, torch.float32),
-    (4, 2, 64, torch.bfloat16, torch.bfloat16),
-    (16, 1, 128, torch.float32, torch.bfloat16),
-    (16, 3, 48, torch.bfloat16, torch.float32),
-])
-def test_write_kv(block_size, num_kv_heads, head_dim, src_dtype, cache_dtype):
-    g = torch.Generator().manual_seed(block_size + 10 * num_kv_heads + head_dim)
-    num_blocks, num_tokens = 30, 23
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
-    slots[torch.rand(num_tokens, generator=g) < 0.3] = -1  # padding tokens are skipped
-    slots[0] = -1
-    # k and v as views into one fused projection output: strided tokens and heads.
-    kv = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, generator=g).to(src_dtype)
-    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads + 1 :]
-    want = kv_cache.clone()
-    write_kv_ref(k, v, want, slots)
-    got = kv_cache.to(DEVICE)
-    write_kv(k.to(DEVICE), v.to(DEVICE), got, slots.to(DEVICE))
-    assert torch.equal(got.cpu(), want)

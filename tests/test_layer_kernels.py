@@ -1,4 +1,4 @@
-"""Layer kernels (RMSNorm, rotary, silu_and_mul) against their torch references,
+"""Layer kernels (RMSNorm, q|k|v to rotated q and the KV cache, silu_and_mul) against their torch references,
 and the references against executor/models/layers.py, the code the model runs.
 
 Without a GPU the kernels run under the Triton interpreter on the CPU; see
@@ -27,7 +27,7 @@ from headrace.checkpoint.config import RopeConfig  # noqa: E402
 from headrace.executor.models import layers  # noqa: E402
 from headrace.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from headrace.kernels.norm import cast_rtne, rms_norm, rms_norm_ref  # noqa: E402
-from headrace.kernels.rotary import rotary, rotary_ref  # noqa: E402
+from headrace.kernels.rotary import rotary_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -202,15 +202,6 @@ def test_rms_norm_ref_matches_transformers(tokens, hidden, dtype, residual):
 
 # ---------------------------------------------------------------- rotary
 
-# (tokens, heads, kv_heads, head_dim): GQA (kv < heads), MQA (1), MHA, a
-# half head_dim that is not a power of two (80 -> 40), many heads with a
-# small head_dim (tiles of several heads).
-ROTARY_SHAPES = [
-    (1, 4, 4, 64), (3, 4, 2, 64), (257, 16, 4, 128), (33, 8, 1, 32), (17, 16, 16, 128),
-    (9, 6, 2, 80), (64, 32, 8, 32), (2, 4, 1, 256),
-]
-
-
 def _cos_sin(head_dim: int) -> torch.Tensor:
     return layers.RotaryEmbedding(RopeConfig(theta=10_000.0), head_dim, MAX_POSITIONS).cos_sin
 
@@ -224,50 +215,6 @@ def _rotary_inputs(tokens, heads, kv_heads, head_dim, dtype, *key):
     q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
     k = torch.randn(tokens, kv_heads, head_dim, generator=g).to(dtype)
     return positions, q, k
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", ROTARY_SHAPES)
-def test_rotary(tokens, heads, kv_heads, head_dim, dtype):
-    positions, q, k = _rotary_inputs(tokens, heads, kv_heads, head_dim, dtype, 7, tokens, heads, head_dim)
-    cos_sin = _cos_sin(head_dim)
-    want_q, want_k = rotary_ref(positions, q, k, cos_sin)
-    q_dev, k_dev = q.to(DEVICE), k.to(DEVICE)  # copies even on the CPU
-    got_q, got_k = rotary(positions.to(DEVICE), q_dev, k_dev, cos_sin.to(DEVICE))
-    _close(got_q, want_q)
-    _close(got_k, want_k)
-    # In place: the returned tensors are the inputs, rotated.
-    assert got_q.data_ptr() == q_dev.data_ptr() and got_k.data_ptr() == k_dev.data_ptr()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(5, 4, 2, 64), (33, 16, 4, 128), (3, 8, 1, 32)])
-def test_rotary_on_fused_qkv_views(tokens, heads, kv_heads, head_dim, dtype):
-    """q and k as the model has them: strided views of one qkv projection.
-    Only their own elements change; v (and everything else) is untouched."""
-    g = _gen(8, tokens, heads, head_dim)
-    positions = torch.randint(0, MAX_POSITIONS, (tokens,), generator=g)
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g).to(dtype)
-    cos_sin = _cos_sin(head_dim)
-
-    def views(t):
-        q, k, _ = t.split([q_size, kv_size, kv_size], dim=-1)
-        return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
-
-    want_q, want_k = rotary_ref(positions, *views(qkv), cos_sin)
-    qkv_dev = qkv.to(DEVICE)
-    got_q, got_k = rotary(positions.to(DEVICE), *views(qkv_dev), cos_sin.to(DEVICE))
-    _close(got_q, want_q)
-    _close(got_k, want_k)
-    assert torch.equal(qkv_dev[:, q_size + kv_size :].cpu(), qkv[:, q_size + kv_size :])
-
-
-def test_rotary_empty():
-    q, k = torch.empty(0, 4, 64, device=DEVICE), torch.empty(0, 2, 64, device=DEVICE)
-    positions = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    got_q, got_k = rotary(positions, q, k, _cos_sin(64).to(DEVICE))
-    assert got_q.shape == (0, 4, 64) and got_k.shape == (0, 2, 64)
 
 
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(3, 4, 2, 64), (33, 16, 4, 128), (9, 8, 1, 32)])
@@ -328,3 +275,77 @@ def test_silu_and_mul_ref_matches_transformers(tokens, d, dtype):
     want = ACT2FN["silu"](x[:, :d]) * x[:, d:]
     got = silu_and_mul_ref(x)
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- q|k|v -> q, and k, v into the cache
+
+# (tokens, heads, kv_heads, head_dim, block_size): GQA, MQA, MHA, a half head_dim that is not a
+# power of two, more heads than one tile holds (128 x 32 halves of 64 = 2 tiles at _TILE 2048).
+QKV_SHAPES = [(1, 4, 2, 64, 16), (5, 8, 1, 32, 4), (33, 16, 4, 128, 16), (9, 6, 2, 80, 8), (3, 64, 8, 128, 32)]
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,block_size", QKV_SHAPES)
+def test_rope_and_cache(tokens, heads, kv_heads, head_dim, block_size, dtype, norm):
+    """One launch for the decoder's steps between the qkv projection and attention,
+    against their references in turn: q normed (Qwen3) and rotated; k the same and
+    v stored at the tokens' slots, a padding token (slot -1) storing nothing, and
+    every other cache slot left as it was (NaN)."""
+    from headrace.kernels.qkv import rope_and_cache, rope_and_cache_ref
+
+    g = _gen(11, tokens, heads + head_dim, int(norm))
+    positions = torch.randint(0, MAX_POSITIONS, (tokens,), generator=g)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 2).to(dtype)
+    weights = [(torch.rand(head_dim, generator=g) + 0.5).to(dtype) for _ in range(2)] if norm else [None, None]
+    num_blocks = -(-2 * tokens // block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[tokens // 2] = -1
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    cos_sin = _cos_sin(head_dim)
+    want_cache = cache.clone()
+    want_q = rope_and_cache_ref(qkv, positions, cos_sin, *weights, 1e-6, want_cache, slots, heads)
+    got_cache = cache.to(DEVICE)
+    dev = [None if w is None else w.to(DEVICE) for w in weights]
+    got_q = rope_and_cache(qkv.to(DEVICE), positions.to(DEVICE), cos_sin.to(DEVICE), *dev, 1e-6, got_cache,
+                           slots.to(DEVICE), heads)
+    _close(got_q, want_q)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    flat_got, flat_want = got_cache.cpu().view(2, -1, kv_heads, head_dim), want_cache.view(2, -1, kv_heads, head_dim)
+    _close(flat_got[:, written], flat_want[:, written])
+    assert flat_got[:, ~written].isnan().all()
+
+
+def test_rope_and_cache_ref_is_the_models_steps():
+    """The reference, against the model's steps in turn (its RMSNorm layers per head,
+    rotary_ref on its RotaryEmbedding's table, write_kv_ref): the same values, bit for bit."""
+    from headrace.kernels.attention import write_kv_ref
+    from headrace.kernels.qkv import rope_and_cache_ref
+
+    tokens, heads, kv_heads, head_dim = 7, 8, 2, 64
+    g = _gen(12)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).bfloat16()
+    positions = torch.randint(0, MAX_POSITIONS, (tokens,), generator=g)
+    q_norm, k_norm = layers.RMSNorm(head_dim, 1e-6), layers.RMSNorm(head_dim, 1e-6)
+    for n in (q_norm, k_norm):
+        n.weight.data = (torch.rand(head_dim, generator=g) + 0.5).bfloat16()
+    rope = layers.RotaryEmbedding(RopeConfig(theta=10_000.0), head_dim, MAX_POSITIONS)
+    slots = torch.arange(tokens) * 3
+    cache, want_cache = (torch.zeros(2, 2, 16, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q, want_k = rotary_ref(positions, q_norm(q.reshape(tokens, heads, head_dim)),
+                                k_norm(k.reshape(tokens, kv_heads, head_dim)), rope.cos_sin)
+    write_kv_ref(want_k, v.reshape(tokens, kv_heads, head_dim), want_cache, slots)
+    got_q = rope_and_cache_ref(qkv, positions, rope.cos_sin, q_norm.weight, k_norm.weight, 1e-6, cache, slots, heads)
+    assert torch.equal(got_q, want_q) and torch.equal(cache, want_cache)
+
+
+def test_rope_and_cache_empty():
+    from headrace.kernels.qkv import rope_and_cache
+
+    cache = torch.zeros(2, 1, 16, 2, 64, device=DEVICE)
+    none = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    q = rope_and_cache(torch.empty(0, 8 * 64, device=DEVICE), none, _cos_sin(64).to(DEVICE), None, None, 1e-6, cache,
+                       none, 4)
+    assert q.shape == (0, 4, 64) and not cache.any()

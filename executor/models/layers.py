@@ -47,7 +47,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves) from a precomputed cos/sin table."""
+    """The cos/sin table of the neox-style rotary embedding (rotate halves);
+    the decoder applies it with dispatch.rope_and_cache (kernels/qkv.py)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -57,8 +58,3 @@ class RotaryEmbedding(nn.Module):
         # [max_positions, head_dim]: cos then sin of each frequency. A plain
         # attribute, not a buffer, so casting the model's dtype keeps it float32.
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim];
-        # on a GPU rotated in place
-        return dispatch.rotary_embedding(positions, q, k, self.cos_sin)

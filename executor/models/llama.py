@@ -13,6 +13,7 @@ from headrace.checkpoint.config import ModelConfig
 from headrace.executor.attention import Attention, AttentionMetadata
 from headrace.executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows
+from headrace.kernels import dispatch
 
 
 def _linear(in_features: int, out_features: int, bias: bool, meta: bool) -> nn.Linear:
@@ -42,14 +43,13 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v, meta).view(-1, self.q_size)))
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        norm = self.q_norm is not None
+        # q, k per-head normed (Qwen3) and rotated; k and v into the cache; q back
+        q = dispatch.rope_and_cache(qkv, positions, self.rotary.cos_sin, self.q_norm.weight if norm else None,
+                                    self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                                    self.attn.kv_cache, meta.slot_mapping, self.num_heads)
+        return self.tp.all_reduce(self.o_proj(self.attn(q, meta).view(-1, self.q_size)))
 
 
 class MLP(nn.Module):
