@@ -92,23 +92,24 @@ def _rope_and_cache_kernel(
         tl.store(dst, cast_rtne(r1, dtype), mask=mask)
         tl.store(dst + half, cast_rtne(r2, dtype), mask=mask)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:
+    if slot >= 0:  # (names apart from the q loop's: none is carried across the two)
         cache_row = cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
         cache_dtype = cache_ptr.dtype.element_ty
-        for h0 in range(0, num_kv_heads, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)[:, None]
-            mask = (h < num_kv_heads) & d_mask
-            src = row + (num_heads + h) * head_dim + offs_d
-            r1, r2 = _norm_rotate(tl.load(src, mask=mask, other=0.0), tl.load(src + half, mask=mask, other=0.0),
+        for g0 in range(0, num_kv_heads, BLOCK_H):
+            kh = g0 + tl.arange(0, BLOCK_H)[:, None]
+            k_mask = (kh < num_kv_heads) & d_mask
+            k_src = row + (num_heads + kh) * head_dim + offs_d
+            k1, k2 = _norm_rotate(tl.load(k_src, mask=k_mask, other=0.0),
+                                  tl.load(k_src + half, mask=k_mask, other=0.0),
                                   k_weight_ptr, cos, sin, eps, head_dim, half, offs_d, d_mask, NORM)
-            dst = cache_row + h * stride_c_h + offs_d
-            tl.store(dst, cast_rtne(cast_rtne(r1, dtype).to(tl.float32), cache_dtype), mask=mask)
-            tl.store(dst + half, cast_rtne(cast_rtne(r2, dtype).to(tl.float32), cache_dtype), mask=mask)
-            src += num_kv_heads * head_dim  # v
-            v1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            v2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dst + stride_c_kv, cast_rtne(v1, cache_dtype), mask=mask)
-            tl.store(dst + stride_c_kv + half, cast_rtne(v2, cache_dtype), mask=mask)
+            k_dst = cache_row + kh * stride_c_h + offs_d
+            tl.store(k_dst, cast_rtne(cast_rtne(k1, dtype).to(tl.float32), cache_dtype), mask=k_mask)
+            tl.store(k_dst + half, cast_rtne(cast_rtne(k2, dtype).to(tl.float32), cache_dtype), mask=k_mask)
+            v_src = k_src + num_kv_heads * head_dim
+            v1 = tl.load(v_src, mask=k_mask, other=0.0).to(tl.float32)
+            v2 = tl.load(v_src + half, mask=k_mask, other=0.0).to(tl.float32)
+            tl.store(k_dst + stride_c_kv, cast_rtne(v1, cache_dtype), mask=k_mask)
+            tl.store(k_dst + stride_c_kv + half, cast_rtne(v2, cache_dtype), mask=k_mask)
 
 
 _TILE = 2048  # elements of one half-head tile (heads x half head_dim)
