@@ -22,6 +22,7 @@
 #   frontend    benchmarks/frontend_cost.py on the Qwen3-0.6B checkpoint's tokenizer (CPU only)
 #   beam        benchmarks/beam_search.py $BEAM_ARGS (default: the Qwen3-8B shape, 100 prompts, beam width 4)
 #   quantized   benchmarks/quantized.py $QUANTIZED_ARGS (bf16, fp8, int4 on the Qwen3-8B shape; its gguf part: as gguf)
+#   attention   benchmarks/decode_attention.py (the decode attention kernel by split count)
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -64,6 +65,7 @@ for stage in "$@"; do
                 | xargs -I{} python3 benchmarks/frontend_cost.py --model {} 2>&1 | tee "$out/frontend_cost.log" ;;
     beam) python3 benchmarks/beam_search.py ${BEAM_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/beam_search.log" ;;
     quantized) python3 benchmarks/quantized.py ${QUANTIZED_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/quantized.log" ;;
+    attention) python3 benchmarks/decode_attention.py 2>&1 | tee "$out/decode_attention.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
