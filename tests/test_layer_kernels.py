@@ -203,7 +203,7 @@ def test_rms_norm_ref_matches_transformers(tokens, hidden, dtype, residual):
 # ---------------------------------------------------------------- rotary
 
 def _cos_sin(head_dim: int) -> torch.Tensor:
-    return layers.RotaryEmbedding(RopeConfig(theta=10_000.0), head_dim, MAX_POSITIONS).cos_sin
+    return layers.rope_cos_sin(RopeConfig(theta=10_000.0), head_dim, MAX_POSITIONS)
 
 
 def _rotary_inputs(tokens, heads, kv_heads, head_dim, dtype, *key):
@@ -223,12 +223,12 @@ def test_rotary_ref_matches_transformers(tokens, heads, kv_heads, head_dim):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     positions, q, k = _rotary_inputs(tokens, heads, kv_heads, head_dim, torch.float32, 9, tokens, heads, head_dim)
-    module = layers.RotaryEmbedding(RopeConfig(theta=500_000.0, type="llama3", factor=8.0), head_dim, MAX_POSITIONS)
-    cos, sin = module.cos_sin[positions].chunk(2, dim=-1)
+    cos_sin = layers.rope_cos_sin(RopeConfig(theta=500_000.0, type="llama3", factor=8.0), head_dim, MAX_POSITIONS)
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # [tokens, head_dim]
     # transformers' layout: [batch, heads, tokens, head_dim]
     want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
-    got_q, got_k = rotary_ref(positions, q, k, module.cos_sin)
+    got_q, got_k = rotary_ref(positions, q, k, cos_sin)
     torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
 
@@ -319,7 +319,7 @@ def test_rope_and_cache(tokens, heads, kv_heads, head_dim, block_size, dtype, no
 
 def test_rope_and_cache_ref_is_the_models_steps():
     """The reference, against the model's steps in turn (its RMSNorm layers per head,
-    rotary_ref on its RotaryEmbedding's table, write_kv_ref): the same values, bit for bit."""
+    rotary_ref on its rope_cos_sin table, write_kv_ref): the same values, bit for bit."""
     from headrace.kernels.attention import write_kv_ref
     from headrace.kernels.qkv import rope_and_cache_ref
 
@@ -330,14 +330,14 @@ def test_rope_and_cache_ref_is_the_models_steps():
     q_norm, k_norm = layers.RMSNorm(head_dim, 1e-6), layers.RMSNorm(head_dim, 1e-6)
     for n in (q_norm, k_norm):
         n.weight.data = (torch.rand(head_dim, generator=g) + 0.5).bfloat16()
-    rope = layers.RotaryEmbedding(RopeConfig(theta=10_000.0), head_dim, MAX_POSITIONS)
+    cos_sin = layers.rope_cos_sin(RopeConfig(theta=10_000.0), head_dim, MAX_POSITIONS)
     slots = torch.arange(tokens) * 3
     cache, want_cache = (torch.zeros(2, 2, 16, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     want_q, want_k = rotary_ref(positions, q_norm(q.reshape(tokens, heads, head_dim)),
-                                k_norm(k.reshape(tokens, kv_heads, head_dim)), rope.cos_sin)
+                                k_norm(k.reshape(tokens, kv_heads, head_dim)), cos_sin)
     write_kv_ref(want_k, v.reshape(tokens, kv_heads, head_dim), want_cache, slots)
-    got_q = rope_and_cache_ref(qkv, positions, rope.cos_sin, q_norm.weight, k_norm.weight, 1e-6, cache, slots, heads)
+    got_q = rope_and_cache_ref(qkv, positions, cos_sin, q_norm.weight, k_norm.weight, 1e-6, cache, slots, heads)
     assert torch.equal(got_q, want_q) and torch.equal(cache, want_cache)
 
 

@@ -46,15 +46,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim
     return inv_freq
 
 
-class RotaryEmbedding(nn.Module):
-    """The cos/sin table of the neox-style rotary embedding (rotate halves);
+def rope_cos_sin(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos then sin of each frequency at each
+    position, the table the neox-style rotary embedding (rotate halves) reads;
     the decoder applies it with dispatch.rope_and_cache (kernels/qkv.py)."""
-
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(rope, head_dim)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        # [max_positions, head_dim]: cos then sin of each frequency. A plain
-        # attribute, not a buffer, so casting the model's dtype keeps it float32.
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(rope, head_dim))
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)

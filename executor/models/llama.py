@@ -11,7 +11,7 @@ from torch import nn
 
 from headrace.checkpoint.config import ModelConfig
 from headrace.executor.attention import Attention, AttentionMetadata
-from headrace.executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from headrace.executor.models.layers import RMSNorm, rope_cos_sin, silu_and_mul
 from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows
 from headrace.kernels import dispatch
 
@@ -28,7 +28,7 @@ def _linear(in_features: int, out_features: int, bias: bool, meta: bool) -> nn.L
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup, meta: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, cos_sin: torch.Tensor, tp: TPGroup, meta: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads, self.head_dim = cfg.num_heads // tp.size, cfg.head_dim
@@ -39,16 +39,18 @@ class DecoderAttention(nn.Module):
         self.o_proj = _linear(self.q_size, cfg.hidden_size, cfg.o_bias, meta)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
+        # [max_positions, head_dim] float32, one table for all layers; a plain
+        # attribute, not a buffer, so casting the model's dtype keeps it float32
+        self.cos_sin = cos_sin
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        norm = self.q_norm is not None
+        qk_norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
+                                                                 self.q_norm.eps)
         # q, k per-head normed (Qwen3) and rotated; k and v into the cache; q back
-        q = dispatch.rope_and_cache(qkv, positions, self.rotary.cos_sin, self.q_norm.weight if norm else None,
-                                    self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
-                                    self.attn.kv_cache, meta.slot_mapping, self.num_heads)
+        q = dispatch.rope_and_cache(qkv, positions, self.cos_sin, *qk_norm, self.attn.kv_cache, meta.slot_mapping,
+                                    self.num_heads)
         return self.tp.all_reduce(self.o_proj(self.attn(q, meta).view(-1, self.q_size)))
 
 
@@ -65,10 +67,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup, meta: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, cos_sin: torch.Tensor, tp: TPGroup, meta: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, rotary, tp, meta)
+        self.self_attn = DecoderAttention(cfg, cos_sin, tp, meta)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp, meta)
 
@@ -102,8 +104,8 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_start, self.vocab_rows = vocab_rows(cfg.vocab_size, tp)  # this rank's slice of the vocabulary
         vocab_meta = "embeddings" in meta
         self.embed_tokens = nn.Embedding(self.vocab_rows, cfg.hidden_size, device="meta" if vocab_meta else None)
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp, "projections" in meta)
+        cos_sin = rope_cos_sin(cfg.rope, cfg.head_dim, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cos_sin, tp, "projections" in meta)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # With tied embeddings the table serves as the LM head (an FP8 table: lm_head shares its buffers).
