@@ -3,8 +3,8 @@
 The reference is the model's own sequence of steps: split q, k and v into heads; for
 Qwen3, RMSNorm each q and k head (kernels/norm.py); rotate q and k (kernels/rotary.py);
 write k and v into the paged cache at the tokens' slots (kernels/attention.py's
-write_kv). It returns q. The Triton kernel does all of it in one launch, rounding
-where those kernels round, so the decoder layer has one launch here rather than four.
+write_kv_ref). It returns q. The Triton kernel does all of it in one launch, rounding
+where those steps round, so the decoder layer has one launch here rather than four.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def rope_and_cache_ref(
 # k heads, go through in tiles of [BLOCK_H heads, BLOCK_HALF] for each half of the head
 # (the two halves are what the rotation pairs). With NORM each head is normalised as
 # kernels/norm.py does (its sum of squares is the two halves' sums added) and rounded
-# to the model dtype before the rotation, which rounds again, as kernels/rotary.py does.
-# k, rounded so, and v are then stored in the cache as write_kv stores them. A token
+# to the model dtype before the rotation, which rounds again, as rotary_ref does.
+# k, rounded so, and v are then stored in the cache as write_kv_ref stores them. A token
 # whose slot is -1 (padding) writes no cache.
 @triton.jit
 def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, head_dim, half, offs_d, d_mask, NORM: tl.constexpr):

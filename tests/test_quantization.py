@@ -178,7 +178,8 @@ def test_bad_quantized_checkpoints_are_refused_by_name(checkpoint, tmp_path):
         with pytest.raises(ConfigError, match=message):
             LLM(_with_config(src, tmp_path / f"bad{i}", **override), max_model_len=64)
     tied = tmp_path / "tied"
-    quantize_checkpoint(checkpoint("qwen3"), tied, "gptq", group=32, lm_head=True)  # tied: no lm_head.weight to quantize
+    # tied: the checkpoint has no lm_head.weight to quantize, but its config says lm_head: true
+    quantize_checkpoint(checkpoint("qwen3"), tied, "gptq", group=32, lm_head=True)
     with pytest.raises(ConfigError, match=r"lm_head is true, but the model ties its LM head to the embedding table"):
         LLM(str(tied), max_model_len=64)
     with pytest.raises(ConfigError, match=r"quantization='awq'.*holds gptq weights"):

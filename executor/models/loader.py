@@ -29,12 +29,13 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     """The model with this rank's slice of every weight (all of them for one
     rank), quantized as quant says. The weights that become quantized layers
     (the projections; with quant.embeddings the embedding table and LM head;
-    a GPTQ checkpoint's LM head where it holds one quantized) are never allocated in the model dtype beside the others: they wait on the
-    meta device. A quantized checkpoint's tensors are gathered per projection
+    a GPTQ checkpoint's LM head where it holds one quantized) are never
+    allocated in the model dtype beside the others: they wait on the meta
+    device. A quantized checkpoint's tensors are gathered per projection
     and built once all are read; a float weight quantized at load (fp8) is
     quantized as soon as all its parts are read, one at a time on the device."""
-    meta = () if quant is None else (("projections",) + (("embeddings",) if quant.embeddings else ())
-                                     + (("lm_head",) if quant.lm_head else ()))
+    wanted = {} if quant is None else {"projections": True, "embeddings": quant.embeddings, "lm_head": quant.lm_head}
+    meta = tuple(role for role, on in wanted.items() if on)
     with torch.device(device), _default_dtype(dtype):  # no float32 copy of the model first
         model = MODELS[cfg.model_type](cfg, max_positions, tp, meta)
     model = model.eval().requires_grad_(False)
