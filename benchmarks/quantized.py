@@ -185,8 +185,9 @@ def decode_rows(core, floor, batches=(1, 16), context: int = 1024, steps: int = 
 
 def variants(formats: list[str], embeddings: bool) -> list[tuple[str, str, bool]]:
     """(label, format, quantize_embeddings) of each engine the memory and
-    decode parts build: every format, then with embeddings fp8 and int4 again
-    with their embedding table and LM head in FP8."""
+    decode parts build: every format, then with embeddings every quantized
+    format again with its embedding table (and LM head, unless int4-head's
+    4-bit one) in FP8."""
     return [(f, f, False) for f in formats] + [(f"{f}+emb", f, True) for f in formats if embeddings and f != "bf16"]
 
 
@@ -225,7 +226,7 @@ def format_parts(args, formats, bw, rate) -> None:
 
     if "memory" in args.parts and memory:
         print("\nweight memory on the GPU (targets, projections: fp8 <= 0.53x, int4 <= 0.3x of bf16)")
-        print(f"{'format':<8} {'weights GiB':>11} {'x bf16':>7} {'proj GiB':>9} {'x bf16':>7} "
+        print(f"{'format':<13} {'weights GiB':>11} {'x bf16':>7} {'proj GiB':>9} {'x bf16':>7} "
               f"{'vocab GiB':>9} {'alloc-KV GiB':>12}  quantization")
         base = memory["bf16"][1] if "bf16" in memory else None
         for fmt, (quant, sizes, allocated) in memory.items():
@@ -233,14 +234,14 @@ def format_parts(args, formats, bw, rate) -> None:
             r_all = f"{total / sum(base.values()):7.3f}" if base else f"{'-':>7}"
             r_proj = f"{sizes['projections'] / base['projections']:7.3f}" if base else f"{'-':>7}"
             vocab = sizes["embedding"] + sizes["lm_head"]
-            print(f"{fmt:<8} {total / GiB:11.2f} {r_all} {sizes['projections'] / GiB:9.2f} {r_proj} "
+            print(f"{fmt:<13} {total / GiB:11.2f} {r_all} {sizes['projections'] / GiB:9.2f} {r_proj} "
                   f"{vocab / GiB:9.2f} {allocated / GiB:12.2f}  {quant}")
     if decode:
         print("\ndecode step, context 1024, overlapped scheduling (target at batch 1: <= 1.5x floor)")
-        print(f"{'format':<8} {'read GiB':>8} {'batch':>5} {'step ms':>8} {'floor ms':>8} {'x floor':>7}  bound")
+        print(f"{'format':<13} {'read GiB':>8} {'batch':>5} {'step ms':>8} {'floor ms':>8} {'x floor':>7}  bound")
         for fmt, (read, rows) in decode.items():
             for batch, t, fl, bound in rows:
-                print(f"{fmt:<8} {read / GiB:8.2f} {batch:>5} {t * 1e3:8.3f} {fl * 1e3:8.3f} {t / fl:7.2f}  {bound}")
+                print(f"{fmt:<13} {read / GiB:8.2f} {batch:>5} {t * 1e3:8.3f} {fl * 1e3:8.3f} {t / fl:7.2f}  {bound}")
 
 
 def community(args, formats, bw, rate) -> None:
@@ -316,7 +317,7 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)}")
     parser.add_argument("--quantize-embeddings", action="store_true",
-                        help="memory and decode also for fp8 and int4 with quantize_embeddings=True")
+                        help="memory and decode also for the quantized formats with quantize_embeddings=True")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the community workload")
     parser.add_argument("--profile", default="", help="BATCH[,...]: profile those batches' decode steps")
     args = parser.parse_args()
