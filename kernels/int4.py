@@ -94,14 +94,20 @@ def int4_linear_ref(
 # Triton: program (tile, split) computes a [BLOCK_M, BLOCK_N] tile of y from split's run of
 # BLOCK_K-wide slices of K. A slice lies in one group (BLOCK_K divides G, or G = K), so it reads
 # one row of scales and zeros. Each int32 of qweight is loaded once and widened in registers to its
-# 8 rows j: (qw << 4 or qw >> 12) puts row j's nibble at bit s = 4 + 4 * (j % 4); keeping it and
-# the bits of 0x4B000000 gives the float32 2^23 + q * 2^s, and that * 2^-s - (2^(23 - s) + zero)
-# is q - zero exactly (zero is an integer): one AND and one FMA per weight. It stays 3-d
-# [BLOCK_K // 8, 8, BLOCK_N] until the reshape to [BLOCK_K, BLOCK_N], so each thread holds whole
-# int32s. The scale multiplies the widened tile (as the reference rounds) or, when few rows share
-# the tile (SCALE_ACC), the dot's [BLOCK_M, BLOCK_N] result. With K split (SPLIT),
-# kernels/splitk.py adds the programs' float32 partials [split_k, M, N] in a fixed order,
-# so results are the same run to run.
+# 8 rows j, one of two ways. It stays 3-d [BLOCK_K // 8, 8, BLOCK_N] until the reshape to
+# [BLOCK_K, BLOCK_N], so each thread holds whole int32s.
+# - 16-bit x on a GPU (WIDEN16): PTX (_widen16_asm) takes two weights at once. Shifts and a byte
+#   permute put their nibbles at bits 0 and 16, and an AND-OR with the magic's bits makes the two
+#   halves' float16 / bfloat16 values magic + q exactly. One packed FMA subtracts magic + zero
+#   (exact: small integers) and, unless SCALE_ACC, another multiplies by the scale, rounding once
+#   as the reference does: about 2.5 instructions a weight against the float32 way's 3.5.
+# - otherwise (float32, and the Triton interpreter, which runs no PTX): (qw << 4 or qw >> 12) puts
+#   row j's nibble at bit s = 4 + 4 * (j % 4); keeping it and the bits of 0x4B000000 gives the
+#   float32 2^23 + q * 2^s, and that * 2^-s - (2^(23 - s) + zero) is q - zero exactly (zero is an
+#   integer): one AND and one FMA per weight.
+# The scale multiplies the widened tile (as the reference rounds) or, when few rows share the tile
+# (SCALE_ACC), the dot's [BLOCK_M, BLOCK_N] result. With K split (SPLIT), kernels/splitk.py adds
+# the programs' float32 partials [split_k, M, N] in a fixed order, so results are the same run to run.
 @triton.jit
 def _q_minus_zero(qw, zero):
     """qw int32 [R, 1, N], zero float32 [1, 1, N] -> q - zero float32 [R, 8, N], row 8 r + j of the slice at [r, j]."""
@@ -114,12 +120,54 @@ def _q_minus_zero(qw, zero):
     return tl.fma(bits.to(tl.float32, bitcast=True), unit, -(magic + zero))
 
 
+def _widen16_asm(ty: str, magic: int, one: int, scaled: bool) -> str:
+    """PTX for two weights at once (which two is Triton's choice): $1, $2 their int32s; $3, $4 their
+    byte selectors (byte j // 2 at nibble 0 for the first, 4 + j // 2 at nibble 2 for the second);
+    $5, $6 their shifts 4 * (j % 2); $7 -(magic + zero) and $8 the scale, as ty's two halves
+    -> $0: q - zero [* scale] as ty. ptxas folds the selectors and shifts, constants per register."""
+    lines = ["{", ".reg .b32 a, b, sel, t, one, m0;", f"mov.b32 one, {one * 0x10001:#x};", "mov.b32 m0, 0x80008000;",
+             "shr.u32 a, $1, $5;", "shr.u32 b, $2, $6;",
+             "lop3.b32 sel, $3, $4, 0x000F, 0xE4;",  # nibble 0 of $3, the rest of $4
+             "prmt.b32 t, a, b, sel;",  # the two nibbles at bits 0..3 and 16..19
+             f"lop3.b32 t, t, 0x000F000F, {magic * 0x10001:#x}, 0xEA;",  # (t & mask) | magic
+             f"fma.rn.{ty} t, t, one, $7;"]  # magic + q - (magic + zero)
+    if scaled:
+        lines.append(f"fma.rn.{ty} t, t, $8, m0;")  # * scale (+ -0: the product, rounded once)
+    return "\n".join(lines + ["mov.b32 $0, t;", "}"])
+
+
+# Magic 2^7 (bfloat16) and 2^10 (float16): there the unit in the last place is 1, so magic + q is exact.
+_BF16_MAGIC, _F16_MAGIC = tl.constexpr(128.0), tl.constexpr(1024.0)
+_WIDEN_BF16 = tl.constexpr(_widen16_asm("bf16x2", 0x4300, 0x3F80, scaled=False))
+_WIDEN_BF16_SCALED = tl.constexpr(_widen16_asm("bf16x2", 0x4300, 0x3F80, scaled=True))
+_WIDEN_F16 = tl.constexpr(_widen16_asm("f16x2", 0x6400, 0x3C00, scaled=False))
+_WIDEN_F16_SCALED = tl.constexpr(_widen16_asm("f16x2", 0x6400, 0x3C00, scaled=True))
+
+
+@triton.jit
+def _widen16(qw, zero, scale, SCALED: tl.constexpr):
+    """qw int32 [R, 1, N], zero and scale [1, 1, N] in a 16-bit dtype -> q - zero (times the scale if
+    SCALED) [R, 8, N] in that dtype, row 8 r + j of the slice at [r, j]."""
+    j = tl.arange(0, 8)[None, :, None]
+    select = (j // 2) * 0x0101 + 0x0400  # byte j // 2 as the first of a pair (nibble 0) or the second (nibble 2)
+    ty = scale.dtype
+    if ty == tl.bfloat16:
+        asm: tl.constexpr = _WIDEN_BF16_SCALED if SCALED else _WIDEN_BF16
+        magic: tl.constexpr = _BF16_MAGIC
+    else:
+        asm: tl.constexpr = _WIDEN_F16_SCALED if SCALED else _WIDEN_F16
+        magic: tl.constexpr = _F16_MAGIC
+    neg_zm = (-(zero.to(tl.float32) + magic)).to(ty)
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r,r,r", [qw, select, 4 * (j % 2), neg_zm, scale], dtype=ty,
+                                     is_pure=True, pack=2)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                         k_per_split, stride_xm,
                         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                        SCALE_ACC: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        SCALE_ACC: tl.constexpr, WIDEN16: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid, split = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M  # GROUP_M row tiles share the weight tiles they read
@@ -145,15 +193,19 @@ def _int4_linear_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr
             x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < k_end - k0 + k_start)[None, :], other=0.0)
             qw = tl.load(qw_ptrs, mask=in_k8[:, None, None] & mask_n[None, None, :], other=0)
         g_off = (k0 // GROUP if GROUP else 0) * N + offs_n[None, None, :]  # [1, 1, BLOCK_N]
-        zero = tl.load(z_ptr + g_off, mask=mask_n[None, None, :], other=0.0).to(tl.float32)
-        scale = tl.load(s_ptr + g_off, mask=mask_n[None, None, :], other=0.0).to(tl.float32)
-        w = _q_minus_zero(qw, zero)  # [BLOCK_K // 8, 8, BLOCK_N]
-        if SCALE_ACC:
-            w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)
-            part = tl.dot(x, w, input_precision="ieee" if IEEE else None)
-            acc += part * tl.reshape(scale, (1, BLOCK_N))
+        zero = tl.load(z_ptr + g_off, mask=mask_n[None, None, :], other=0.0)
+        scale = tl.load(s_ptr + g_off, mask=mask_n[None, None, :], other=0.0)
+        if WIDEN16:
+            w = _widen16(qw, zero.to(x.dtype), scale.to(x.dtype), not SCALE_ACC)  # [BLOCK_K // 8, 8, BLOCK_N]
         else:
-            w = tl.reshape(w * scale, (BLOCK_K, BLOCK_N)).to(x.dtype)
+            w = _q_minus_zero(qw, zero.to(tl.float32))  # [BLOCK_K // 8, 8, BLOCK_N]
+            if not SCALE_ACC:
+                w = w * scale.to(tl.float32)
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)
+        if SCALE_ACC:
+            part = tl.dot(x, w, input_precision="ieee" if IEEE else None)
+            acc += part * tl.reshape(scale.to(tl.float32), (1, BLOCK_N))
+        else:
             acc = tl.dot(x, w, acc, input_precision="ieee" if IEEE else None)
         x_ptrs += BLOCK_K
         qw_ptrs += (BLOCK_K // 8) * N
@@ -222,7 +274,8 @@ def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg:
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, m, n, k,
         slices_per_split * block_k, x.stride(0), GROUP=0 if group_size == k else group_size,
         HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % block_k == 0, SCALE_ACC=cfg.scale_acc,
-        IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
+        WIDEN16=x.is_cuda and x.dtype != torch.float32, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
     return out
 
