@@ -1,4 +1,4 @@
-"""Child processes that never outlive their parent."""
+"""Child processes that never outlive their parent, and noticing another process's exit at once."""
 from __future__ import annotations
 
 import os
@@ -17,3 +17,18 @@ def die_with_parent(parent_pid: int) -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
         sys.exit(0)
+
+
+def watch_exit(pid: int) -> int | None:
+    """A file descriptor that becomes readable when process pid exits (a Linux
+    pidfd, for any process of this machine, child or not), or None where the
+    system has none (then only heartbeats tell). The caller closes it. Raises
+    ProcessLookupError if pid is already gone."""
+    if pid <= 0 or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError as e:
+        if isinstance(e, ProcessLookupError):
+            raise
+        return None  # a kernel before 5.3, or a sandbox that refuses it

@@ -15,7 +15,7 @@ import numpy as np
 
 from headrace.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 _INT32 = struct.Struct("<i")
@@ -105,6 +105,7 @@ class Ready(_Msg, tag="ready"):
     bos_token_id: int | None
     block_size: int
     num_kv_blocks: int
+    pid: int  # the core's process: a frontend on the same machine (an ipc address) watches it exit
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

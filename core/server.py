@@ -47,6 +47,7 @@ from headrace.core.protocol import (
     to_core_decoder,
     unpack_ids,
 )
+from headrace.lifetime import watch_exit
 
 logger = logging.getLogger("headrace.core")
 MAX_MESSAGE_BYTES = 256 * 2**20
@@ -123,6 +124,7 @@ class CoreServer:
                 bos_token_id=mc.bos_token_id,
                 block_size=self.engine.cache_config.block_size,
                 num_kv_blocks=self.engine.cache_config.num_blocks,
+                pid=os.getpid(),
             ))
             if metrics_port is not None:
                 from prometheus_client import CollectorRegistry
@@ -269,6 +271,10 @@ class CoreServer:
         poller.register(pull, zmq.POLLIN)
         interval, timeout = envs.heartbeat_interval(), envs.heartbeat_timeout()
         last_seen: dict[bytes, float] = {}  # frontends that said Hello -> when last heard
+        # On an ipc address every frontend runs on this machine: watch its process too (a pidfd ->
+        # its identity), so one that dies is dropped at once rather than after the heartbeat timeout.
+        self._exits: dict[int, bytes] = {}
+        self._poller = poller
         heartbeat = encode(Heartbeat())
         next_beat = time.monotonic()
         num_bad = 0
@@ -276,6 +282,12 @@ class CoreServer:
             while not self._stop.is_set():
                 events = dict(poller.poll(timeout=int(interval * 1000 / 2)))
                 now = time.monotonic()
+                for fd in [fd for fd in self._exits if fd in events]:
+                    identity = self._unwatch(self._exits[fd])
+                    if last_seen.pop(identity, None) is not None:
+                        logger.warning("frontend %s exited; dropping it", identity.hex())
+                        self._num_frontends = len(last_seen)
+                        self._inbox.put((identity, _Gone()))
                 if router in events:
                     while True:
                         try:
@@ -298,6 +310,7 @@ class CoreServer:
                         if now - seen > timeout:
                             logger.warning("frontend %s silent for %.1fs; dropping it", identity.hex(), now - seen)
                             del last_seen[identity]
+                            self._unwatch(identity)
                             self._inbox.put((identity, _Gone()))
                         else:
                             router.send_multipart([identity, heartbeat])
@@ -306,8 +319,30 @@ class CoreServer:
             for identity in last_seen:
                 router.send_multipart([identity, exit_msg])
         finally:
+            for identity in list(self._exits.values()):
+                self._unwatch(identity)
             router.close(linger=200)
             pull.close()
+
+    def _watch(self, identity: bytes, pid: int) -> None:
+        """Watch a frontend's process exit (ipc addresses only: there the pid is of this machine)."""
+        self._unwatch(identity)
+        if not self.address.startswith("ipc://"):
+            return
+        try:
+            fd = watch_exit(pid)
+        except ProcessLookupError:  # gone already: its silence drops it
+            return
+        if fd is not None:
+            self._exits[fd] = identity
+            self._poller.register(fd, zmq.POLLIN)
+
+    def _unwatch(self, identity: bytes) -> bytes:
+        for fd in [fd for fd, who in self._exits.items() if who == identity]:
+            del self._exits[fd]
+            self._poller.unregister(fd)
+            os.close(fd)
+        return identity
 
     def _on_frames(self, router: zmq.Socket, frames: list[bytes], last_seen: dict, now: float) -> bool:
         """Handle one incoming message; False if it was malformed."""
@@ -325,6 +360,7 @@ class CoreServer:
                 return True
             last_seen[identity] = now
             self._num_frontends = len(last_seen)
+            self._watch(identity, msg.pid)
             router.send_multipart([identity, self._ready])
             return True
         if identity not in last_seen:
@@ -332,6 +368,7 @@ class CoreServer:
         last_seen[identity] = now
         if isinstance(msg, Goodbye):
             del last_seen[identity]
+            self._unwatch(identity)
             self._inbox.put((identity, _Gone()))
         elif not isinstance(msg, Ping):
             self._inbox.put((identity, msg))

@@ -9,9 +9,12 @@ processes, not of how busy the event loop is: a loop blocked for seconds
 neither loses its core nor is dropped by it, and catches up when it runs.
 
 The core is declared dead when it is silent for longer than the heartbeat
-timeout, says CoreExit, or (for a core this frontend spawned) exits. From
-then on every call fails with EngineDeadError, and receive() hands the
-error to the loop after the messages that came before it.
+timeout, says CoreExit, or exits. Its exit is seen at once where the
+address is ipc (the core runs on this machine and Ready gives its pid,
+watched through a pidfd on Linux); a core joined over tcp has only the
+heartbeats. From then on every call fails with EngineDeadError, and
+receive() hands the error to the loop after the messages that came before
+it.
 
 Threads: the event loop's thread sends through an inproc PAIR socket that
 only it uses; the I/O thread reads the other end. Received messages go the
@@ -49,6 +52,7 @@ from headrace.core.protocol import (
     from_core_decoder,
     pack_ids,
 )
+from headrace.lifetime import watch_exit
 from headrace.sampling_params import SamplingParams
 
 logger = logging.getLogger("headrace.frontend")
@@ -178,7 +182,7 @@ class EngineClient:
                 started.set_exception(EngineDeadError("the engine client was closed during start-up"))
                 return
             started.set_result(ready)
-            self._serve(sock, from_loop)
+            self._serve(sock, from_loop, ready.pid)
         finally:
             from_loop.close(linger=0)
             # Let a Goodbye reach the core; a dead core gets nothing.
@@ -211,7 +215,7 @@ class EngineClient:
                 sock.send(hello)
                 next_hello = now + 2.0
 
-    def _serve(self, sock: zmq.Socket, from_loop: zmq.Socket) -> None:
+    def _serve(self, sock: zmq.Socket, from_loop: zmq.Socket, core_pid: int) -> None:
         """Until the loop says stop or the core is dead."""
         interval, timeout = envs.heartbeat_interval(), envs.heartbeat_timeout()
         ping = encode(Ping())
@@ -220,34 +224,46 @@ class EngineClient:
         poller.register(from_loop, zmq.POLLIN)
         last_heard = time.monotonic()
         next_ping = last_heard + interval
-        while True:
-            events = dict(poller.poll(max(0.0, next_ping - time.monotonic()) * 1000))
-            now = time.monotonic()
-            if sock in events:
-                frames = _drain(sock)
-                last_heard = now
-                msgs = []
-                for frame in frames:
-                    msg = self._decode(frame)
-                    if isinstance(msg, CoreExit):
-                        self._deliver(msgs)
-                        return self._die(f"the engine core exited: {msg.reason}")
-                    if msg is not None and not isinstance(msg, Heartbeat):
-                        msgs.append(msg)
-                self._deliver(msgs)
-            if from_loop in events:
-                for frame in _drain(from_loop):
-                    if frame == _STOP:
-                        sock.send(encode(Goodbye()), zmq.NOBLOCK)
-                        return
-                    sock.send(frame, zmq.NOBLOCK)
-            if now >= next_ping:
-                next_ping = now + interval
-                if self._is_core_alive is not None and not self._is_core_alive():
-                    return self._die("the engine core process exited")
-                if now - last_heard > timeout:
-                    return self._die(f"the engine core has been silent for {now - last_heard:.1f}s")
-                sock.send(ping, zmq.NOBLOCK)
+        try:
+            exit_fd = watch_exit(core_pid) if self.address.startswith("ipc://") else None
+        except ProcessLookupError:
+            return self._die(f"the engine core process (pid {core_pid}) exited")
+        if exit_fd is not None:
+            poller.register(exit_fd, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll(max(0.0, next_ping - time.monotonic()) * 1000))
+                now = time.monotonic()
+                if sock in events:  # what the core sent before it exited, first
+                    frames = _drain(sock)
+                    last_heard = now
+                    msgs = []
+                    for frame in frames:
+                        msg = self._decode(frame)
+                        if isinstance(msg, CoreExit):
+                            self._deliver(msgs)
+                            return self._die(f"the engine core exited: {msg.reason}")
+                        if msg is not None and not isinstance(msg, Heartbeat):
+                            msgs.append(msg)
+                    self._deliver(msgs)
+                if exit_fd in events:
+                    return self._die(f"the engine core process (pid {core_pid}) exited")
+                if from_loop in events:
+                    for frame in _drain(from_loop):
+                        if frame == _STOP:
+                            sock.send(encode(Goodbye()), zmq.NOBLOCK)
+                            return
+                        sock.send(frame, zmq.NOBLOCK)
+                if now >= next_ping:
+                    next_ping = now + interval
+                    if self._is_core_alive is not None and not self._is_core_alive():
+                        return self._die("the engine core process exited")
+                    if now - last_heard > timeout:
+                        return self._die(f"the engine core has been silent for {now - last_heard:.1f}s")
+                    sock.send(ping, zmq.NOBLOCK)
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
 
     def _decode(self, payload: bytes):
         try:

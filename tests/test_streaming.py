@@ -178,7 +178,8 @@ def test_core_killed_every_frontend_raises_engine_dead(core):
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         waits = await seconds_until_dead(gens, t0, 10)
-        assert max(waits) < 5, waits
+        # an ipc core runs on this machine: its exit is seen at once, not after the 3 s heartbeat timeout
+        assert max(waits) < 0.5, waits
         for e in engines:
             with pytest.raises(EngineDeadError):
                 await e.generate([5, 6], sp).__anext__()
@@ -209,7 +210,7 @@ def test_spawned_core_dies_with_its_frontend_and_reports_death(checkpoint):
         with pytest.raises(EngineDeadError):
             async for _ in gen:
                 pass
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 0.5
         await engine.aclose()
 
     run(main())
@@ -229,7 +230,7 @@ def _alive(pid: int) -> bool:
 
 def test_frontend_killed_midstream_core_aborts_its_requests(checkpoint, tmp_path):
     # One request at a time: the worker's 64 x 200 tokens take far longer than
-    # the heartbeat timeout, so an idle core means they were aborted.
+    # the wait below, so an idle core means they were aborted.
     proc, address = start_core(checkpoint("qwen3"), f"ipc://{tmp_path}/core.sock", "--max-num-seqs", "1")
     worker = subprocess.Popen([sys.executable, WORKER, "hang", address], stdout=subprocess.PIPE, text=True)
     assert worker.stdout.readline().strip() == "streaming"
@@ -240,8 +241,11 @@ def test_frontend_killed_midstream_core_aborts_its_requests(checkpoint, tmp_path
             assert s.num_running + s.num_waiting == 64 and s.num_frontends == 2
             worker.kill()
             worker.wait()
+            t0 = time.monotonic()
             s = await wait_until_idle(engine, timeout=8)
             assert s.num_frontends == 1
+            # the core watches an ipc frontend's process: it is dropped at its exit, not 3 s of silence later
+            assert time.monotonic() - t0 < 1.5
 
     try:
         run(main())
