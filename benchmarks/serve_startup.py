@@ -171,8 +171,9 @@ def one_api_server(args, tmp: Path, children: list[Child]) -> None:
             hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             hold.bind(("127.0.0.1", 0))
             port = hold.getsockname()[1]
-            api = Child([sys.executable, "-m", API_SERVER, "--core", address, "--core-metrics-url",
-                         line.split(" at ", 1)[1], "--host", "127.0.0.1", "--port", str(port), "--run-dir",
+            (run_dir / "core-0.url").write_text(line.split(" at ", 1)[1])  # where the API server finds it
+            api = Child([sys.executable, "-m", API_SERVER, "--core", address, "--host", "127.0.0.1", "--port",
+                         str(port), "--run-dir",
                          str(run_dir), "--served-model-name", NAME, "--parent-pid", str(os.getpid())], tmp,
                         "api.log", children)
             try:

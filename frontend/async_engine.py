@@ -16,7 +16,7 @@ from headrace.config import EngineArgs
 from headrace.core.outputs import RequestOutput
 from headrace.core.protocol import Ready, RequestError, Stats, StepOutputs
 from headrace.core.request import check_prompt
-from headrace.frontend.client import EngineClient, EngineDeadError
+from headrace.frontend.client import EngineClient, EngineDeadError, EngineRestartingError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
 from headrace.frontend.router import Router, check_routing
@@ -67,14 +67,27 @@ class AsyncEngine:
     then counts as dead (new requests raise EngineDeadError) while the
     other cores finish theirs.
 
+    reconnect=True (connect only) is for cores that a supervisor restarts at
+    the same address, as `headrace serve` does: a core's death still fails
+    its requests at once, then this engine connects to the address again
+    until a core serving the same model answers, and meanwhile new requests
+    raise EngineRestartingError (an EngineDeadError) rather than wait.
+
     Request-level Prometheus metrics (docs/metrics.md): metrics_port serves
     them on 127.0.0.1:port (0 = a free port; see self.metrics_port), or
     metrics_registry registers them into the application's own registry.
     """
 
     def __init__(self, address: str | Sequence[str], process: CoreProcess | Sequence[CoreProcess] | None = None, *,
-                 metrics_port: int | None = None, metrics_registry=None, routing: str = "prefix") -> None:
+                 metrics_port: int | None = None, metrics_registry=None, routing: str = "prefix",
+                 reconnect: bool = False) -> None:
         check_metrics_options(metrics_port, metrics_registry)
+        if not isinstance(reconnect, bool):
+            raise TypeError(f"reconnect must be a bool, got {reconnect!r}")
+        if reconnect and process is not None:
+            raise ValueError("reconnect is for cores that something else restarts; this engine spawned its own")
+        self._reconnect = reconnect
+        self._rejoining: dict[int, asyncio.Task] = {}  # core -> the task connecting to its address again
         self._routing = check_routing(routing)
         self.addresses = [address] if isinstance(address, str) else list(address)
         if not self.addresses:
@@ -134,9 +147,11 @@ class AsyncEngine:
 
     @classmethod
     def connect(cls, address: str | Sequence[str], *, metrics_port: int | None = None,
-                metrics_registry=None, routing: str = "prefix") -> AsyncEngine:
-        """Join running cores: one address, or several (data parallel)."""
-        return cls(address, metrics_port=metrics_port, metrics_registry=metrics_registry, routing=routing)
+                metrics_registry=None, routing: str = "prefix", reconnect: bool = False) -> AsyncEngine:
+        """Join running cores: one address, or several (data parallel);
+        reconnect: wait for a dead core's restart (see the class)."""
+        return cls(address, metrics_port=metrics_port, metrics_registry=metrics_registry, routing=routing,
+                   reconnect=reconnect)
 
     async def __aenter__(self) -> AsyncEngine:
         try:
@@ -200,8 +215,13 @@ class AsyncEngine:
 
     @property
     def is_dead(self) -> bool:
-        """Whether a core of this engine has died."""
+        """Whether a core of this engine has died (and, with reconnect, is not back yet)."""
         return any(c.dead is not None for c in self._clients)
+
+    @property
+    def is_restarting(self) -> bool:
+        """Whether this engine (made with reconnect) waits for a dead core to come back."""
+        return bool(self._rejoining)
 
     async def generate(
         self,
@@ -342,10 +362,12 @@ class AsyncEngine:
     async def aclose(self) -> None:
         """Leave the core (stopping it, if this engine spawned it); requests still
         running fail with EngineDeadError."""
-        for task in self._output_tasks:
+        tasks = self._output_tasks + list(self._rejoining.values())
+        self._reconnect = False
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._output_tasks, return_exceptions=True)
-        self._output_tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._output_tasks, self._rejoining = [], {}
         if self._clients:
             for client in self._clients:
                 await client.close()
@@ -369,8 +391,11 @@ class AsyncEngine:
             self._metrics_server = None
 
     def _check_alive(self) -> None:
-        for client in self._clients:
+        for core, client in enumerate(self._clients):
             if client.dead is not None:
+                if core in self._rejoining:
+                    raise EngineRestartingError(f"the engine core at {self.addresses[core]} is restarting "
+                                                f"({client.dead})")
                 raise EngineDeadError(str(client.dead))
 
     # ---- the receive side: one task takes what the client's I/O thread received ----
@@ -391,7 +416,34 @@ class AsyncEngine:
                 elif isinstance(msg, EngineDeadError):
                     client.fail_waiters(msg)
                     self._fail(msg, core)
+                    if self._reconnect:
+                        self._rejoining[core] = asyncio.get_running_loop().create_task(self._rejoin(core))
                     return
+
+    async def _rejoin(self, core: int) -> None:
+        """Connect to a dead core's address again until a core serving the same model answers."""
+        address = self.addresses[core]
+        await self._clients[core].close()
+        while True:
+            client = EngineClient(address)
+            try:
+                info = await client.start()
+            except EngineDeadError as e:  # nothing answered for a while: keep waiting
+                logger.warning("still waiting for an engine core at %s: %s", address, e)
+                await client.close()
+                continue
+            if _serves(info) != _serves(self.info):
+                await client.close()
+                self._clients[core].dead = EngineDeadError(f"the core restarted at {address} serves "
+                                                           f"{_serves(info)}, not {_serves(self.info)}")
+                logger.error("%s", self._clients[core].dead)
+                del self._rejoining[core]
+                return
+            break
+        logger.info("engine core at %s is back (pid %d)", address, info.pid)
+        self._clients[core], self._load[core] = client, 0
+        self._output_tasks[core] = asyncio.get_running_loop().create_task(self._receive_outputs(core))
+        del self._rejoining[core]
 
     async def _on_outputs(self, msg: StepOutputs, client: EngineClient | None) -> None:
         """Hand one step's outputs to their requests, yielding to the event loop

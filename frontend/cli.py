@@ -96,7 +96,7 @@ def _core(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from headrace.frontend.api.server import serve
+    from headrace.frontend.api.supervise import serve
 
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -142,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--api-key", default=envs.api_key(), help="require this bearer token on /v1/* "
                      "(default: $HEADRACE_API_KEY; none if unset)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    srv.add_argument("--no-restart", action="store_true",
+                     help="stop when any child process exits, rather than start it again")
+    srv.add_argument("--max-restarts", type=int, default=5,
+                     help="restarts (of any child) within --restart-window after which serve stops and exits 1 "
+                          "(default: 5)")
+    srv.add_argument("--restart-window", type=float, default=300.0,
+                     help="seconds over which --max-restarts counts (default: 300)")
     _add_engine_args(srv)
     srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)

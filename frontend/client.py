@@ -63,6 +63,11 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped answering or exited; requests on it cannot finish."""
 
 
+class EngineRestartingError(EngineDeadError):
+    """The engine core died and a frontend that reconnects waits for it to be
+    restarted at its address: a request may succeed later."""
+
+
 class EngineClient:
     def __init__(self, address: str, is_core_alive: Callable[[], bool] | None = None) -> None:
         self.address = address
@@ -176,13 +181,13 @@ class EngineClient:
             try:
                 ready = self._handshake(sock, from_loop, timeout)
             except BaseException as e:
-                started.set_exception(e)
+                _settle(started, error=e)
                 return
             if ready is None:
-                started.set_exception(EngineDeadError("the engine client was closed during start-up"))
+                _settle(started, error=EngineDeadError("the engine client was closed during start-up"))
                 return
-            started.set_result(ready)
-            self._serve(sock, from_loop, ready.pid)
+            if _settle(started, result=ready):
+                self._serve(sock, from_loop, ready.pid)
         finally:
             from_loop.close(linger=0)
             # Let a Goodbye reach the core; a dead core gets nothing.
@@ -288,6 +293,18 @@ class EngineClient:
         logger.error("%s", err)
         self.dead = err
         self._deliver([err])
+
+
+def _settle(fut: concurrent.futures.Future, result=None, error: BaseException | None = None) -> bool:
+    """Set fut's outcome unless the waiting side gave up on it (cancelled it): whether it was set."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+        return True
+    except concurrent.futures.InvalidStateError:
+        return False
 
 
 def _drain(sock: zmq.Socket) -> list[bytes]:

@@ -1,8 +1,9 @@
 """`headrace serve` as processes: clients that disconnect, several API
-servers on one port, the API key, and a core that dies."""
+servers on one port, the API key, and children that die and are restarted."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -110,7 +111,9 @@ def test_a_second_server_on_the_port_is_refused(server, checkpoint):
 @pytest.mark.parametrize("flags,message", [(["--port", "70000"], "--port must be in [0, 65535]"),
                                            (["--port", "0", "--api-servers", "0"], "--api-servers must be >= 1"),
                                            (["--port", "0", "--data-parallel-size", "0"],
-                                            "--data-parallel-size must be >= 1")])
+                                            "--data-parallel-size must be >= 1"),
+                                           (["--port", "0", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
+                                           (["--port", "0", "--restart-window", "0"], "--restart-window must be > 0")])
 def test_bad_serve_flags_are_refused(checkpoint, flags, message):
     r = subprocess.run([sys.executable, "-m", "headrace.frontend.cli", "serve", "--model", str(checkpoint("qwen3")),
                         *flags], capture_output=True, text=True, timeout=60)
@@ -130,26 +133,132 @@ def test_api_key_is_required_on_v1(checkpoint):
         assert s.stop() == 0
 
 
-def test_a_dead_core_answers_503_and_the_server_exits(checkpoint):
-    s = Serve(checkpoint("qwen3"), "--max-model-len", "1024", env={"HEADRACE_HEARTBEAT_TIMEOUT": "1"})
-    children = s.children()
-    core = next(p for p in children if " core " in open(f"/proc/{p}/cmdline").read().replace("\0", " "))
-    result = {}
+def _roles(s: Serve) -> dict[str, list[int]]:
+    """serve's children by role: "core" and "api"."""
+    out = {"core": [], "api": []}
+    for pid in s.children():
+        with open(f"/proc/{pid}/cmdline") as f:
+            out["core" if " core " in f.read().replace("\0", " ") else "api"].append(pid)
+    return out
 
-    def wait_whole() -> None:
-        r = httpx.post(s.base_url + "/completions", timeout=60, json={"prompt": "The river", **LONG})
-        result["status"], result["body"] = r.status_code, r.json()
 
-    t = threading.Thread(target=wait_whole)
-    t.start()
-    time.sleep(0.5)
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") or "zombie" in _state(pid)
+
+
+def test_a_dead_core_fails_its_requests_at_once_then_comes_back(checkpoint):
+    s = Serve(checkpoint("qwen3"), "--max-model-len", "1024")
+    try:
+        core = _roles(s)["core"][0]
+        whole = {}
+
+        def wait_whole() -> None:
+            r = httpx.post(s.base_url + "/completions", timeout=60, json={"prompt": "The river", **LONG})
+            whole.update(status=r.status_code, body=r.json(), at=time.monotonic())
+
+        t = threading.Thread(target=wait_whole)
+        t.start()
+        with httpx.stream("POST", s.base_url + "/completions", timeout=60,
+                          json={"prompt": "The sea", "stream": True, **LONG}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            time.sleep(0.3)
+            os.kill(core, signal.SIGKILL)
+            killed = time.monotonic()
+            error = next(line for line in lines if '"error"' in line)
+            stream_failed = time.monotonic() - killed
+        t.join(30)
+        assert stream_failed < 0.5, stream_failed  # the API server watches the core's process exit
+        assert "exited" in error
+        assert whole["status"] == 503 and "exited" in whole["body"]["error"]["message"], whole
+        assert whole["at"] - killed < 0.5
+        # until the new core is ready: 503 with Retry-After, and /health says why
+        r = httpx.post(s.base_url + "/completions", timeout=10, json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] and "restarting" in r.json()["error"]["message"]
+        h = httpx.get(s.root + "/health", timeout=10)
+        assert h.status_code == 503 and b"restarting" in h.content and h.headers["retry-after"]
+        wait_for(lambda: httpx.get(s.root + "/health", timeout=10).status_code == 200, timeout=60,
+                 what="the restarted core")
+        r = httpx.post(s.base_url + "/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert s.metric("headrace_serve_restarts_total", process="core") == 1
+        assert s.metric("headrace_serve_restarts_total", process="api_server") == 0
+        assert _gone(core) and len(_roles(s)["core"]) == 1
+    finally:
+        assert s.stop() == 0
+    assert not s.children()
+
+
+def test_a_dead_api_server_is_restarted_and_the_others_streams_go_on(checkpoint):
+    s = Serve(checkpoint("qwen3"), "--api-servers", "2", "--max-model-len", "1024")
+    try:
+        victim = _roles(s)["api"][0]
+        outcomes = []
+        started = threading.Barrier(9)
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"river {i}", "stream": True, "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            events, done, tokens = 0, False, None
+            try:
+                with httpx.Client(timeout=60) as http, http.stream("POST", s.base_url + "/completions",
+                                                                    json=body) as r:
+                    for line in r.iter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            events += 1
+                            if events == 1:
+                                started.wait()
+                            tokens = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", tokens)
+            except httpx.TransportError:  # its API server was killed
+                outcomes.append("dropped")
+                return
+            outcomes.append("done" if done and tokens == 150 else f"cut after {events} events, {tokens} tokens")
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        started.wait(30)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: len(_roles(s)["api"]) == 2 and victim not in _roles(s)["api"], timeout=3,
+                 what="a new API server")
+        assert time.monotonic() - killed < 3
+        for t in threads:
+            t.join(60)
+        # the other API server's streams finish whole; the killed one's are dropped, never cut short quietly
+        assert "done" in outcomes and set(outcomes) <= {"done", "dropped"}, outcomes
+        wait_for(lambda: s.metric("headrace_serve_restarts_total", process="api_server") == 1, timeout=30,
+                 what="the restart on /metrics")
+        core_idle(s)  # the dropped streams were aborted in the core
+        r = httpx.post(s.base_url + "/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        assert s.stop() == 0
+    assert not s.children()
+
+
+def test_restarts_past_the_budget_stop_serve(checkpoint):
+    s = Serve(checkpoint("qwen3"), "--max-restarts", "1", "--restart-window", "600")
+    core = _roles(s)["core"][0]
     os.kill(core, signal.SIGKILL)
-    t.join(30)
-    assert result["status"] == 503, result
-    assert "dead" in result["body"]["error"]["message"]
-    assert s.proc.wait(30) == 1  # the server stops when its core dies
+    wait_for(lambda: httpx.get(s.root + "/health", timeout=10).status_code == 200 and _roles(s)["core"]
+             and _roles(s)["core"][0] != core, timeout=60, what="the restarted core")
+    children = s.children()
+    os.kill(_roles(s)["core"][0], signal.SIGKILL)
+    assert s.proc.wait(30) == 1  # a second restart would exceed --max-restarts 1
     for pid in children:
-        wait_for(lambda: not os.path.exists(f"/proc/{pid}") or "zombie" in _state(pid), what=f"process {pid} to end")
+        wait_for(lambda: _gone(pid), what=f"process {pid} to end")
+
+
+def test_no_restart_stops_serve_when_the_core_dies(checkpoint):
+    s = Serve(checkpoint("qwen3"), "--no-restart")
+    children = s.children()
+    os.kill(_roles(s)["core"][0], signal.SIGKILL)
+    assert s.proc.wait(30) == 1
+    for pid in children:
+        wait_for(lambda: _gone(pid), what=f"process {pid} to end")
 
 
 def _state(pid: int) -> str:

@@ -28,7 +28,7 @@ from headrace.sampling_params import SamplingParams
 from headrace.frontend.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             TokenizeRequest, decode_body, named_param)
 from headrace.frontend.async_engine import AsyncEngine
-from headrace.frontend.client import EngineDeadError
+from headrace.frontend.client import EngineDeadError, EngineRestartingError
 from headrace.frontend.output_processor import RequestState
 
 logger = logging.getLogger("headrace.api")
@@ -37,8 +37,8 @@ _json = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
 
 
-def json_response(body, status: int = 200) -> Response:
-    return Response(_json.encode(body), status, media_type="application/json")
+def json_response(body, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_json.encode(body), status, headers=headers, media_type="application/json")
 
 
 def _event(body) -> bytes:
@@ -162,6 +162,8 @@ class OpenAIServer:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
+        if self.engine.is_restarting:
+            return Response(b"the engine core is restarting", 503, headers=_RETRY)
         if self.engine.is_dead:
             return Response(b"the engine core is dead", 503)
         return Response(b"", 200)
@@ -468,9 +470,15 @@ def _join(a: dict | None, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
 
 
+# While the engine core restarts: seconds after which a client may try again.
+_RETRY = {"Retry-After": "2"}
+
+
 def _error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
+    if isinstance(e, EngineRestartingError):
+        return APIError(str(e), 503, type_="ServiceUnavailableError", headers=_RETRY)
     if isinstance(e, EngineDeadError):
         return APIError(f"the engine core is dead: {e}", 503, type_="ServiceUnavailableError")
     if isinstance(e, (ValueError, TypeError)):  # refused by the engine or the core: the message names the field
@@ -487,7 +495,7 @@ def _api(handler):
             return Response(b"", 499)  # nobody reads it; the requests were aborted
         except Exception as e:
             err = _error(e)
-            return json_response(err.body(), err.status)
+            return json_response(err.body(), err.status, err.headers)
 
     return endpoint
 
