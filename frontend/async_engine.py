@@ -219,6 +219,25 @@ class AsyncEngine:
         return any(c.dead is not None for c in self._clients)
 
     @property
+    def num_live_requests(self) -> int:
+        """Requests submitted and not yet finished, failed or aborted."""
+        return len(self._states)
+
+    def fail_all(self, err: BaseException) -> int:
+        """Fail every live request with err and abort it in its core (a server that stops
+        waiting for them); returns how many there were."""
+        states = list(self._states.values())
+        by_core: dict[int, list[str]] = {}
+        for state in states:
+            self._forget(state)
+            by_core.setdefault(state.core, []).append(state.request_id)
+            state.fail(err)
+        for core, ids in by_core.items():
+            if self._clients[core].dead is None:
+                self._clients[core].abort(ids)
+        return len(states)
+
+    @property
     def is_restarting(self) -> bool:
         """Whether this engine (made with reconnect) waits for a dead core to come back."""
         return bool(self._rejoining)

@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                           "(default: 5)")
     srv.add_argument("--restart-window", type=float, default=300.0,
                      help="seconds over which --max-restarts counts (default: 300)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds to let running requests finish before failing them (default: 30; "
+                          "a second SIGTERM fails them at once)")
     _add_engine_args(srv)
     srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)

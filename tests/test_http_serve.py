@@ -113,7 +113,9 @@ def test_a_second_server_on_the_port_is_refused(server, checkpoint):
                                            (["--port", "0", "--data-parallel-size", "0"],
                                             "--data-parallel-size must be >= 1"),
                                            (["--port", "0", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
-                                           (["--port", "0", "--restart-window", "0"], "--restart-window must be > 0")])
+                                           (["--port", "0", "--restart-window", "0"], "--restart-window must be > 0"),
+                                           (["--port", "0", "--shutdown-timeout", "-1"],
+                                            "--shutdown-timeout must be >= 0")])
 def test_bad_serve_flags_are_refused(checkpoint, flags, message):
     r = subprocess.run([sys.executable, "-m", "headrace.frontend.cli", "serve", "--model", str(checkpoint("qwen3")),
                         *flags], capture_output=True, text=True, timeout=60)
@@ -237,6 +239,70 @@ def test_a_dead_api_server_is_restarted_and_the_others_streams_go_on(checkpoint)
     finally:
         assert s.stop() == 0
     assert not s.children()
+
+
+def _stream(url: str, body: dict, out: dict) -> None:
+    """POST a stream; out gets its "events", whether it reached [DONE], its completion "tokens" and any "error"."""
+    out.update(events=0, done=False, tokens=None, error=None)
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                out["done"] = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                out["events"] += 1
+                out["error"] = event.get("error", out["error"])
+                out["tokens"] = (event.get("usage") or {}).get("completion_tokens", out["tokens"])
+
+
+def test_sigterm_lets_open_streams_finish_and_refuses_new_requests(checkpoint):
+    s = Serve(checkpoint("qwen3"), "--api-servers", "2", "--max-model-len", "1024")
+    outs = [{} for _ in range(4)]
+    body = {"prompt": "The river", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    threads = [threading.Thread(target=_stream, args=(s.base_url, body, out)) for out in outs]
+    for t in threads:
+        t.start()
+    wait_for(lambda: all(out.get("events") for out in outs), what="every stream's first event")
+    s.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: httpx.get(s.root + "/health", timeout=10).status_code == 503, what="draining")
+    r = httpx.post(s.base_url + "/completions", timeout=10, json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    for t in threads:
+        t.join(60)
+    assert all(out["done"] and out["tokens"] == 120 and out["error"] is None for out in outs), outs
+    assert s.proc.wait(30) == 0
+    assert not s.children()
+
+
+def test_the_shutdown_timeout_and_a_second_sigterm_cut_requests_with_a_clear_error(checkpoint):
+    for second_signal in (False, True):
+        timeout = "60" if second_signal else "1"
+        s = Serve(checkpoint("qwen3"), "--shutdown-timeout", timeout, "--max-model-len", "1024")
+        out, whole = {}, {}
+        t = threading.Thread(target=_stream, args=(s.base_url, {"prompt": "The river", **LONG}, out))
+        t.start()
+
+        def wait_whole() -> None:
+            r = httpx.post(s.base_url + "/completions", timeout=60, json={"prompt": "The sea", **LONG})
+            whole.update(status=r.status_code, body=r.json())
+
+        w = threading.Thread(target=wait_whole)
+        w.start()
+        wait_for(lambda: out.get("events"), what="the stream's first event")
+        s.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        if second_signal:
+            time.sleep(0.5)
+            s.proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        w.join(30)
+        assert time.monotonic() - t0 < 5
+        assert out["done"] and "shutting down" in out["error"]["message"], out
+        assert ("second signal" if second_signal else "shutdown timeout (1s)") in out["error"]["message"]
+        assert whole["status"] == 503 and "shutting down" in whole["body"]["error"]["message"], whole
+        assert s.proc.wait(30) == 0
+        assert not s.children()
 
 
 def test_restarts_past_the_budget_stop_serve(checkpoint):

@@ -83,6 +83,20 @@ class OpenAIServer:
         self._app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
         self._paths = {r.path for r in routes}
         self._stats = engine.frontend_stats  # where HTTP requests are counted, if anywhere
+        self.draining = False  # drain() was called: new generation requests are refused with 503
+
+    async def drain(self, timeout: float, now: asyncio.Event) -> int:
+        """Refuse new generation requests (503) and wait for the running ones to finish, up to
+        timeout seconds or until `now` is set; then fail the rest with a 503 that says so.
+        Returns how many were cut short."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.engine.num_live_requests and not now.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        why = "a second signal" if now.is_set() else f"its shutdown timeout ({timeout:g}s)"
+        err = APIError(f"the server is shutting down and stopped this request at {why}", 503,
+                       type_="ServiceUnavailableError")
+        return self.engine.fail_all(err)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -162,6 +176,8 @@ class OpenAIServer:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
+        if self.draining:
+            return Response(b"the server is shutting down", 503)
         if self.engine.is_restarting:
             return Response(b"the engine core is restarting", 503, headers=_RETRY)
         if self.engine.is_dead:
@@ -243,6 +259,8 @@ class OpenAIServer:
                            f"max_tokens asks for {params.max_tokens} more", param="max_tokens")
 
     async def _submit(self, prompts: list[_Prompt], params: SamplingParams) -> list[RequestState]:
+        if self.draining:
+            raise APIError("the server is shutting down", 503, type_="ServiceUnavailableError")
         base = uuid.uuid4().hex
         states: list[RequestState] = []
         try:

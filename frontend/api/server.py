@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -121,15 +122,31 @@ async def _run_api_server(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    # uvicorn handles SIGTERM/SIGINT while it serves, then raises the signal
-    # again under the handler it found: let that one return, so the engine
-    # below says goodbye to the core.
+    # Until it serves, a signal just ends the process; the engine below still says goodbye to the core.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
     if server.started:
+        # Serving, the first SIGTERM or SIGINT drains (app.drain), a second cuts the drain short;
+        # then uvicorn closes the connections and returns.
+        loop, now, draining = asyncio.get_running_loop(), asyncio.Event(), []
+
+        async def drain() -> None:
+            cut = await app.drain(args.shutdown_timeout, now)
+            if cut:
+                logging.getLogger("headrace.frontend").warning("shut down with %d requests unfinished", cut)
+            server.should_exit = True
+
+        def on_signal() -> None:
+            if draining:
+                now.set()
+            else:
+                draining.append(loop.create_task(drain()))
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
         print("ready", flush=True)
     try:
         await task
@@ -141,8 +158,6 @@ async def _run_api_server(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import logging
-
     from headrace.frontend.async_engine import run
     from headrace.lifetime import die_with_parent
 
@@ -152,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(flag, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     die_with_parent(args.parent_pid)

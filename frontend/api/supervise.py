@@ -19,7 +19,12 @@ and go. Each child is watched for its exit:
 Restarts are counted on /metrics (headrace_serve_restarts_total, by process).
 More than --max-restarts within --restart-window seconds, counting every
 child, and serve stops everything and exits 1; --no-restart stops at the
-first exit. SIGTERM or SIGINT stops everything and exits 0.
+first exit.
+
+SIGTERM or SIGINT drains: the API servers answer new requests (and /health)
+with 503 and let the running ones finish, up to --shutdown-timeout seconds;
+the requests still running then fail with a 503 that says so, as they do at
+once on a second signal. Then the cores stop and serve exits 0.
 """
 from __future__ import annotations
 
@@ -89,6 +94,11 @@ class _ApiServer:
     def __init__(self, cmd: list[str], env: dict) -> None:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
 
+    def terminate(self) -> None:
+        """SIGTERM: the first drains it, a second cuts the drain short."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def wait_ready(self) -> None:
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"an API server exited during start-up (exit code {self.proc.wait()}); "
@@ -127,11 +137,13 @@ class _Core:
         self.core.shutdown()
 
 
-def check_restart_flags(args: argparse.Namespace) -> None:
+def check_flags(args: argparse.Namespace) -> None:
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not args.restart_window > 0:
         raise ValueError(f"--restart-window must be > 0 seconds, got {args.restart_window}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
 
 
 def serve(args: argparse.Namespace, engine_args) -> int:
@@ -142,7 +154,7 @@ def serve(args: argparse.Namespace, engine_args) -> int:
         raise ValueError(f"--api-servers must be >= 1, got {args.api_servers}")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    check_restart_flags(args)
+    check_flags(args)
     reserved = reserve_port(args.host, args.port)
     port = reserved.getsockname()[1]
     run_dir = Path(tempfile.mkdtemp(prefix="headrace-serve-"))  # mode 0700: metrics URLs, restart counts
@@ -156,8 +168,10 @@ def serve(args: argparse.Namespace, engine_args) -> int:
         env["HEADRACE_API_KEY"] = args.api_key  # in the environment, not on a command line ps shows
     cmd = [sys.executable, "-m", "headrace.frontend.api.server", *[a for addr, _ in ipc for a in ("--core", addr)],
            "--host", args.host, "--port", str(port), "--run-dir", str(run_dir),
+           "--shutdown-timeout", str(args.shutdown_timeout),
            "--served-model-name", args.served_model_name or engine_args.model, "--parent-pid", str(os.getpid())]
     api = [_Child("api_server", f"API server {i}", lambda: _ApiServer(cmd, env)) for i in range(args.api_servers)]
+    signals: list[int] = []  # SIGTERM and SIGINT received once serving
     code = 1
     try:
         print(f"headrace serve: loading {engine_args.model} in {args.data_parallel_size} engine core"
@@ -175,12 +189,15 @@ def serve(args: argparse.Namespace, engine_args) -> int:
               f"({args.api_servers} API server{'s' if args.api_servers > 1 else ''})", flush=True)
         for address, _ in ipc:
             print(f"headrace serve: engine core at {address} (AsyncEngine.connect joins it)", flush=True)
-        code = _supervise(cores + api, args, run_dir)
+        code = _supervise(cores + api, args, run_dir, signals)
     except RuntimeError as e:
         print(f"headrace serve: {e}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         print("headrace serve: interrupted during start-up", file=sys.stderr, flush=True)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # from here a signal only shortens the drain
+            signal.signal(sig, lambda num, _: signals.append(num))
+        _drain(api, args.shutdown_timeout, signals)
         for child in api + cores:  # the API servers first: they say goodbye to the cores
             child.stop()
         for address, directory in ipc:
@@ -190,15 +207,14 @@ def serve(args: argparse.Namespace, engine_args) -> int:
     return code
 
 
-def _supervise(children: list[_Child], args: argparse.Namespace, run_dir: Path) -> int:
+def _supervise(children: list[_Child], args: argparse.Namespace, run_dir: Path, signals: list[int]) -> int:
     """Restart what dies until a signal (0) or the restart budget runs out (1)."""
-    stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.append(True))
+        signal.signal(sig, lambda num, _: signals.append(num))
     recent: deque[float] = deque()  # when each restart within the window began
     counts = {"core": 0, "api_server": 0}
     _write_counts(run_dir, counts)
-    while not stopping:
+    while not signals:
         for child in children:
             if not child.down:
                 continue
@@ -220,6 +236,21 @@ def _supervise(children: list[_Child], args: argparse.Namespace, run_dir: Path) 
             child.start()
         time.sleep(0.05)
     return 0
+
+
+def _drain(api: list[_Child], timeout: float, signals: list[int]) -> None:
+    """SIGTERM every API server, so each lets its running requests finish (up to timeout seconds),
+    and wait for them; a second signal to serve is passed on, cutting their drain short."""
+    servers = [c.process for c in api if c.process is not None and c.process.alive()]
+    for server in servers:
+        server.terminate()
+    passed_on, deadline = len(signals) > 1, time.monotonic() + timeout + 10
+    while any(s.alive() for s in servers) and time.monotonic() < deadline:
+        if len(signals) > 1 and not passed_on:
+            passed_on = True
+            for server in servers:
+                server.terminate()
+        time.sleep(0.05)
 
 
 def _write_counts(run_dir: Path, counts: dict[str, int]) -> None:
