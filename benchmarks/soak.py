@@ -137,6 +137,7 @@ class _Serve:
 def _soak(serve: _Serve, args) -> dict:
     tokenizer = _tokenizer(serve)
     long_prompt = tokenizer(args.max_model_len - 72)
+    long_chat = _long_chat(serve, args.max_model_len - 72)
     # Every kind of request, on fresh connections (so likely to every API server), before the clock
     # starts: what a first request of a kind builds (chat template, logprob token texts) is warm-up.
     for i in range(4 * args.api_servers):
@@ -144,14 +145,14 @@ def _soak(serve: _Serve, args) -> dict:
             kind = {"chat": chat, "stream": i % 2 == 0, "max_tokens": 4, "logprobs": True, "n": 2, "stop": True,
                     "long": i < 2, "leave": False, "invalid": False}
             _one(openai.OpenAI(base_url=serve.base_url, api_key="none", max_retries=0, timeout=TIMEOUT), kind,
-                 long_prompt)
+                 long_prompt, long_chat)
     start = time.monotonic()
     end = start + args.minutes * 60
     results: list[dict] = []
     lock = threading.Lock()
     stop = threading.Event()
     threads = [threading.Thread(target=_client, args=(serve.base_url, random.Random(args.seed + i), end, long_prompt,
-                                                      results, lock, stop), daemon=True)
+                                                      long_chat, results, lock, stop), daemon=True)
                for i in range(args.clients)]
     for t in threads:
         t.start()
@@ -204,6 +205,20 @@ def _tokenizer(serve: _Serve):
     return lambda n: [(7 * i + 11) % min(size, 5000) + 10 for i in range(n)]
 
 
+def _long_chat(serve: _Serve, tokens: int) -> str:
+    """A user message whose conversation (chat template included) has about `tokens` tokens (the server's /tokenize)."""
+    import httpx
+
+    def count(text: str) -> int:
+        body = {"model": "soak", "messages": [{"role": "user", "content": text}]}
+        return httpx.post(serve.base_url[: -len("/v1")] + "/tokenize", json=body, timeout=60).json()["count"]
+
+    words = tokens
+    while count("river " * words) > tokens:
+        words = words * 9 // 10
+    return "river " * words
+
+
 async def _kv_state(address: str) -> dict:
     """The core's counters once nothing runs (waiting up to 60 s for the aborted requests to leave)."""
     from headrace import AsyncEngine
@@ -230,13 +245,14 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
-def _client(base_url: str, rng: random.Random, end: float, long_prompt: list[int], results: list, lock, stop) -> None:
+def _client(base_url: str, rng: random.Random, end: float, long_prompt: list[int], long_chat: str, results: list,
+            lock, stop) -> None:
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=TIMEOUT)
     while time.monotonic() < end and not stop.is_set():
         kind = _draw(rng)
         t0 = time.monotonic()
         try:
-            outcome = _one(client, kind, long_prompt)
+            outcome = _one(client, kind, long_prompt, long_chat)
         except openai.APIStatusError as e:
             message = (e.body or {}).get("message") if isinstance(e.body, dict) else None
             outcome = "refused" if message else "bad"
@@ -268,12 +284,12 @@ def _draw(rng: random.Random) -> dict:
             "long": rng.random() < 0.1, "leave": stream and rng.random() < 0.1, "invalid": rng.random() < 0.01}
 
 
-def _one(client: openai.OpenAI, k: dict, long_prompt: list[int]) -> str:
+def _one(client: openai.OpenAI, k: dict, long_prompt: list[int], long_chat: str) -> str:
     """Send one request as k says; its outcome if it returned ("ok", "disconnected" or "bad")."""
     common = {"model": "soak", "max_tokens": k["max_tokens"], "n": k["n"], "temperature": -1.0 if k["invalid"] else 0.8,
               "stream": k["stream"], "stop": [" the"] if k["stop"] else None}
     if k["chat"]:
-        text = "word " * len(long_prompt) if k["long"] else "Tell me about rivers."
+        text = long_chat if k["long"] else "Tell me about rivers."
         messages = [{"role": "user", "content": text}]
         extra = {"logprobs": True, "top_logprobs": 2} if k["logprobs"] else {}
         if k["long"]:  # the chat template's tokens too: leave room for them
