@@ -106,12 +106,17 @@ HTTP_REQUESTS = Metric("headrace:http_requests_total", "counter", "requests",
                       "(routes it does not serve count as route \"other\"; 499: the client left first).",
                       extra_labels=("route", "status"))
 
+# Labelled (model_name, process) only: headrace serve's parent counts them, and its API servers show them.
+SERVE_RESTARTS = Metric("headrace:serve_restarts_total", "counter", "restarts",
+                        "Children of `headrace serve` started again after they exited, by process (\"core\" or "
+                        "\"api_server\").")
+
 FRONTEND_METRICS = (
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_LATENCY, QUEUE_TIME, PREFILL_TIME, DECODE_TIME,
     REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS, REQUEST_SUCCESS,
 )
-# Frontend series only the API servers of `headrace serve` record (tests/test_http_api.py checks them).
-SERVE_METRICS = (HTTP_REQUESTS,)
+# Series only `headrace serve` shows (tests/test_http_api.py and tests/test_http_serve.py check them).
+SERVE_METRICS = (HTTP_REQUESTS, SERVE_RESTARTS)
 
 ALL_METRICS = ENGINE_METRICS + FRONTEND_METRICS + SERVE_METRICS
 BY_NAME = {m.name: m for m in ALL_METRICS}

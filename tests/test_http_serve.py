@@ -183,8 +183,8 @@ def test_a_dead_core_fails_its_requests_at_once_then_comes_back(checkpoint):
                  what="the restarted core")
         r = httpx.post(s.base_url + "/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-        assert s.metric("headrace_serve_restarts_total", process="core") == 1
-        assert s.metric("headrace_serve_restarts_total", process="api_server") == 0
+        assert s.metric("headrace:serve_restarts_total", process="core") == 1
+        assert s.metric("headrace:serve_restarts_total", process="api_server") == 0
         assert _gone(core) and len(_roles(s)["core"]) == 1
     finally:
         assert s.stop() == 0
@@ -231,7 +231,7 @@ def test_a_dead_api_server_is_restarted_and_the_others_streams_go_on(checkpoint)
             t.join(60)
         # the other API server's streams finish whole; the killed one's are dropped, never cut short quietly
         assert "done" in outcomes and set(outcomes) <= {"done", "dropped"}, outcomes
-        wait_for(lambda: s.metric("headrace_serve_restarts_total", process="api_server") == 1, timeout=30,
+        wait_for(lambda: s.metric("headrace:serve_restarts_total", process="api_server") == 1, timeout=30,
                  what="the restart on /metrics")
         core_idle(s)  # the dropped streams were aborted in the core
         r = httpx.post(s.base_url + "/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 2})

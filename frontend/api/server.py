@@ -69,8 +69,8 @@ class _Metrics:
     """/metrics: this frontend's registry, the cores' pages, the other API servers' pages and the
     parent's restart counts, merged."""
 
-    def __init__(self, registry, run_dir: Path, own_file: Path) -> None:
-        self.registry, self.run_dir, self.own_file = registry, run_dir, own_file
+    def __init__(self, registry, run_dir: Path, own_file: Path, model_name: str) -> None:
+        self.registry, self.run_dir, self.own_file, self.model_name = registry, run_dir, own_file, model_name
 
     async def __call__(self) -> bytes:
         from prometheus_client import generate_latest
@@ -84,13 +84,15 @@ class _Metrics:
         return merge_expositions(texts + [p for p in pages if isinstance(p, str)])
 
     def _restarts(self) -> str:
+        from headrace.metrics.names import SERVE_RESTARTS as M
+
         try:
             counts = json.loads((self.run_dir / "restarts.json").read_text())
         except FileNotFoundError:  # not started by `headrace serve`
             return ""
-        lines = ["# HELP headrace_serve_restarts_total Children of headrace serve restarted after they exited.",
-                 "# TYPE headrace_serve_restarts_total counter"]
-        lines += [f'headrace_serve_restarts_total{{process="{kind}"}} {n}' for kind, n in sorted(counts.items())]
+        model = json.dumps(self.model_name)  # a quoted, escaped label value
+        lines = [f"# HELP {M.name} {M.help}", f"# TYPE {M.name} counter"]
+        lines += [f'{M.name}{{model_name={model},process="{kind}"}} {n}' for kind, n in sorted(counts.items())]
         return "\n".join(lines) + "\n"
 
 
@@ -116,7 +118,7 @@ async def _run_api_server(args: argparse.Namespace) -> None:
     part = own.with_suffix(".part")
     part.write_text(peers.url)
     part.rename(own)
-    app = OpenAIServer(engine, args.served_model_name, metrics=_Metrics(registry, run_dir, own),
+    app = OpenAIServer(engine, args.served_model_name, metrics=_Metrics(registry, run_dir, own, engine.info.model),
                        api_key=envs.api_key())
     sock = listening_socket(args.host, args.port, listen=True)
     config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning", access_log=False,

@@ -16,7 +16,7 @@ and go. Each child is watched for its exit:
   The API servers see its exit at once and fail its requests with 503s naming
   the cause, answer new ones with 503 and Retry-After (and /health with
   "restarting") until the new core is ready, then serve again.
-Restarts are counted on /metrics (headrace_serve_restarts_total, by process).
+Restarts are counted on /metrics (headrace:serve_restarts_total, by process).
 More than --max-restarts within --restart-window seconds, counting every
 child, and serve stops everything and exits 1; --no-restart stops at the
 first exit.
