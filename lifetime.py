@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 
 
@@ -32,3 +33,14 @@ def watch_exit(pid: int) -> int | None:
         if isinstance(e, ProcessLookupError):
             raise
         return None  # a kernel before 5.3, or a sandbox that refuses it
+
+
+def terminate(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM proc if it runs, wait up to timeout seconds, then SIGKILL it; returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()

@@ -125,13 +125,9 @@ class _Serve:
         return roles
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from headrace.lifetime import terminate
+
+        terminate(self.proc, 60)
 
 
 def _soak(serve: _Serve, args) -> dict:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -11,6 +10,7 @@ import tempfile
 from headrace.checkpoint.config import ModelConfig
 from headrace.checkpoint.paths import resolve_model_path
 from headrace.config import EngineArgs
+from headrace.lifetime import terminate
 
 
 def private_ipc_address() -> tuple[str, str]:
@@ -109,13 +109,7 @@ class CoreProcess:
         return self.proc.poll() is None
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         if self._directory is not None:
             remove_private_ipc(self.address, self._directory)
             self._directory = None

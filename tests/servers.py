@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+
+from headrace.lifetime import terminate
 
 FLAGS = ("--max-model-len", "256", "--block-size", "8")
 
@@ -51,14 +52,7 @@ class Serve:
         return [int(p) for p in out.split()]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc, 45)  # serve's drain may take its 30 s shutdown timeout
 
 
 def _read_lines(proc: subprocess.Popen, n: int, timeout: float) -> list[str]:

@@ -139,8 +139,11 @@ def _roles(s: Serve) -> dict[str, list[int]]:
     """serve's children by role: "core" and "api"."""
     out = {"core": [], "api": []}
     for pid in s.children():
-        with open(f"/proc/{pid}/cmdline") as f:
-            out["core" if " core " in f.read().replace("\0", " ") else "api"].append(pid)
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                out["core" if " core " in f.read().replace("\0", " ") else "api"].append(pid)
+        except FileNotFoundError:  # gone since pgrep listed it
+            pass
     return out
 
 
@@ -164,7 +167,7 @@ def test_a_dead_core_fails_its_requests_at_once_then_comes_back(checkpoint):
                           json={"prompt": "The sea", "stream": True, **LONG}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            time.sleep(0.3)
+            wait_for(lambda: s.metric("headrace:num_requests_running") == 2, what="both requests in the core")
             os.kill(core, signal.SIGKILL)
             killed = time.monotonic()
             error = next(line for line in lines if '"error"' in line)

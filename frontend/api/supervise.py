@@ -42,6 +42,7 @@ from collections import deque
 from pathlib import Path
 
 from headrace.frontend.api.server import reserve_port
+from headrace.lifetime import terminate
 
 
 def _interrupt(*_) -> None:
@@ -108,13 +109,7 @@ class _ApiServer:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 15)
 
 
 class _Core:
