@@ -70,8 +70,9 @@ class AsyncEngine:
     reconnect=True (connect only) is for cores that a supervisor restarts at
     the same address, as `headrace serve` does: a core's death still fails
     its requests at once, then this engine connects to the address again
-    until a core serving the same model answers, and meanwhile new requests
-    raise EngineRestartingError (an EngineDeadError) rather than wait.
+    until a core serving the same model answers. Meanwhile new requests go
+    to the other cores, or raise EngineRestartingError (an EngineDeadError)
+    when there are none, rather than wait.
 
     Request-level Prometheus metrics (docs/metrics.md): metrics_port serves
     them on 127.0.0.1:port (0 = a free port; see self.metrics_port), or
@@ -242,6 +243,10 @@ class AsyncEngine:
         """Whether this engine (made with reconnect) waits for a dead core to come back."""
         return bool(self._rejoining)
 
+    @property
+    def num_live_cores(self) -> int:
+        return sum(c.dead is None for c in self._clients)
+
     async def generate(
         self,
         prompt: Prompt,
@@ -290,7 +295,7 @@ class AsyncEngine:
     async def submit(self, text: str | None, token_ids: list[int], sampling_params: SamplingParams | None = None,
                      request_id: str | None = None) -> RequestState:
         """Submit an already tokenized and validated prompt."""
-        self._check_alive()
+        self._check_alive(any_core=self._reconnect)  # reconnecting, the live cores take what comes meanwhile
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -409,13 +414,16 @@ class AsyncEngine:
             self._metrics_server.close()
             self._metrics_server = None
 
-    def _check_alive(self) -> None:
-        for core, client in enumerate(self._clients):
-            if client.dead is not None:
-                if core in self._rejoining:
-                    raise EngineRestartingError(f"the engine core at {self.addresses[core]} is restarting "
-                                                f"({client.dead})")
-                raise EngineDeadError(str(client.dead))
+    def _check_alive(self, any_core: bool = False) -> None:
+        """Raise if a core is dead (any_core: only if every core is)."""
+        dead = [core for core, client in enumerate(self._clients) if client.dead is not None]
+        if not dead or any_core and len(dead) < len(self._clients):
+            return
+        core = dead[0]
+        if core in self._rejoining:
+            raise EngineRestartingError(f"the engine core at {self.addresses[core]} is restarting "
+                                        f"({self._clients[core].dead})")
+        raise EngineDeadError(str(self._clients[core].dead))
 
     # ---- the receive side: one task takes what the client's I/O thread received ----
 

@@ -308,6 +308,27 @@ def test_the_shutdown_timeout_and_a_second_sigterm_cut_requests_with_a_clear_err
         assert not s.children()
 
 
+def test_with_data_parallel_cores_the_others_serve_while_one_restarts(checkpoint):
+    s = Serve(checkpoint("qwen3"), "--data-parallel-size", "2", "--max-model-len", "1024")
+    try:
+        first = sorted(_roles(s)["core"])
+        os.kill(first[0], signal.SIGKILL)
+        time.sleep(0.2)  # the API server sees the exit at once
+        for i in range(4):
+            r = httpx.post(s.base_url + "/completions", timeout=30, json={"prompt": f"Hi {i}", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        h = httpx.get(s.root + "/health", timeout=10)
+        assert h.status_code == 200
+        wait_for(lambda: len(_roles(s)["core"]) == 2 and first[0] not in _roles(s)["core"], timeout=60,
+                 what="the restarted core")
+        wait_for(lambda: httpx.get(s.root + "/health", timeout=10).content == b"", timeout=60,
+                 what="both cores serving")
+        assert s.metric("headrace:serve_restarts_total", process="core") == 1
+    finally:
+        assert s.stop() == 0
+    assert not s.children()
+
+
 def test_restarts_past_the_budget_stop_serve(checkpoint):
     s = Serve(checkpoint("qwen3"), "--max-restarts", "1", "--restart-window", "600")
     core = _roles(s)["core"][0]

@@ -176,11 +176,14 @@ class OpenAIServer:
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
+        engine = self.engine
         if self.draining:
             return Response(b"the server is shutting down", 503)
-        if self.engine.is_restarting:
+        if engine.is_restarting and engine.num_live_cores:  # data parallel: the others serve meanwhile
+            return Response(b"an engine core is restarting; the others serve", 200)
+        if engine.is_restarting:
             return Response(b"the engine core is restarting", 503, headers=_RETRY)
-        if self.engine.is_dead:
+        if engine.is_dead:
             return Response(b"the engine core is dead", 503)
         return Response(b"", 200)
 
