@@ -68,6 +68,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if not args.minutes > 0 or args.clients < 1:
+        parser.error(f"--minutes must be > 0 and --clients >= 1, got {args.minutes} and {args.clients}")
     device = args.device
     if device == "auto":
         import torch

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import time
@@ -227,16 +228,12 @@ class AsyncEngine:
     def fail_all(self, err: BaseException) -> int:
         """Fail every live request with err and abort it in its core (a server that stops
         waiting for them); returns how many there were."""
-        states = list(self._states.values())
-        by_core: dict[int, list[str]] = {}
-        for state in states:
-            self._forget(state)
-            by_core.setdefault(state.core, []).append(state.request_id)
-            state.fail(err)
-        for core, ids in by_core.items():
-            if self._clients[core].dead is None:
-                self._clients[core].abort(ids)
-        return len(states)
+        failed = self._fail(err)
+        for core, client in enumerate(self._clients):
+            ids = [s.request_id for s in failed if s.core == core]
+            if ids and client.dead is None:
+                client.abort(ids)
+        return len(failed)
 
     @property
     def is_restarting(self) -> bool:
@@ -502,11 +499,14 @@ class AsyncEngine:
         if aborts and client.dead is None:
             client.abort(aborts)
 
-    def _fail(self, err: EngineDeadError, core: int | None = None) -> None:
-        """Fail the live requests of one core (None: of every core)."""
-        for state in [s for s in self._states.values() if core is None or s.core == core]:
+    def _fail(self, err: BaseException, core: int | None = None) -> list[RequestState]:
+        """Fail the live requests of one core (None: of every core), each with its own copy of err
+        (one exception object raised in many tasks would gather all their tracebacks); returns them."""
+        failed = [s for s in self._states.values() if core is None or s.core == core]
+        for state in failed:
             self._forget(state)
-            state.fail(EngineDeadError(str(err)))
+            state.fail(copy.copy(err))
+        return failed
 
 
 # Outputs handled between two yields to the event loop: about a millisecond of work.

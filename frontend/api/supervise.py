@@ -133,6 +133,10 @@ class _Core:
 
 
 def check_flags(args: argparse.Namespace) -> None:
+    if args.api_servers < 1:
+        raise ValueError(f"--api-servers must be >= 1, got {args.api_servers}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not args.restart_window > 0:
@@ -145,10 +149,6 @@ def serve(args: argparse.Namespace, engine_args) -> int:
     """Run `headrace serve` until a signal, or a child's exit it does not restart; returns the exit code."""
     from headrace.frontend.core_process import private_ipc_address, remove_private_ipc
 
-    if args.api_servers < 1:
-        raise ValueError(f"--api-servers must be >= 1, got {args.api_servers}")
-    if args.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     check_flags(args)
     reserved = reserve_port(args.host, args.port)
     port = reserved.getsockname()[1]
@@ -239,7 +239,7 @@ def _drain(api: list[_Child], timeout: float, signals: list[int]) -> None:
     servers = [c.process for c in api if c.process is not None and c.process.alive()]
     for server in servers:
         server.terminate()
-    passed_on, deadline = len(signals) > 1, time.monotonic() + timeout + 10
+    passed_on, deadline = False, time.monotonic() + timeout + 10  # two signals already: passed on at once
     while any(s.alive() for s in servers) and time.monotonic() < deadline:
         if len(signals) > 1 and not passed_on:
             passed_on = True
