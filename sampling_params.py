@@ -15,6 +15,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_BEST_OF = 128  # samples, or beams, of one request
 EARLY_STOPPING = (True, False, "never")
 ACT_FUNCS = ("log_softmax", "sigmoid")
+TRUNCATION_SIDES = ("left", "right")
 LOGPROBS_MODES = ("raw", "processed")
 
 
@@ -65,6 +66,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     extra_args: dict[str, Any] | None = None
+    # Prompt tokens kept, the last ones ("left": the start is cut) or the first ("right"); -1: as many as
+    # max_model_len leaves beside max_tokens. Applied by the frontend before the prompt's length is checked.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
     # Filled by the frontend from bad_words: the token sequences to ban.
     bad_words_token_ids: list[list[int]] | None = None
 
@@ -85,6 +90,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
         self._check_token_lists()
         self._check_best_of()
         self._resolve_act_func()
+        self._check_truncation()
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} or None, got {self.logprobs_mode!r}")
 
@@ -111,6 +117,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             value = getattr(self, name)
             if value is not None:
                 _range(name, value, 0, MAX_LOGPROBS)
+
+    def _check_truncation(self) -> None:
+        k = self.truncate_prompt_tokens
+        if k is not None and k != -1 and k < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for what max_model_len allows, got {k}")
+        if self.truncation_side not in TRUNCATION_SIDES:
+            raise ValueError(f"truncation_side must be one of {TRUNCATION_SIDES}, got {self.truncation_side!r}")
+        if k is None and self.truncation_side != "left":
+            raise ValueError("truncation_side applies with truncate_prompt_tokens only; set it or leave "
+                             "truncation_side at 'left'")
 
     def _check_best_of(self) -> None:
         if self.best_of is not None:
@@ -269,6 +285,8 @@ _TYPES = {
     "skip_special_tokens": (bool,),
     "spaces_between_special_tokens": (bool,),
     "extra_args": (dict, type(None)),
+    "truncate_prompt_tokens": (int, type(None)),
+    "truncation_side": (str,),
     "bad_words_token_ids": (list, type(None)),
 }
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from headrace.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 _INT32 = struct.Struct("<i")

@@ -21,6 +21,27 @@ def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int, name
         raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
 
 
+def truncate_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt as params.truncate_prompt_tokens keeps it (vLLM's meaning): at most k tokens, the
+    last k ("left") or the first ("right"); k = -1 is what max_model_len leaves beside max_tokens.
+    Raises ValueError when k itself leaves no room for max_tokens."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    max_tokens = 1 if params.max_tokens is None else params.max_tokens
+    room = max_model_len - max_tokens
+    if room < 1:
+        raise ValueError(f"truncate_prompt_tokens cannot apply: max_tokens={max_tokens} leaves no room for a "
+                         f"prompt in max_model_len={max_model_len}")
+    if k == -1:
+        k = room
+    elif k > room:
+        raise ValueError(f"truncate_prompt_tokens ({k}) is more than max_model_len - max_tokens = {room}")
+    if len(token_ids) <= k:
+        return token_ids
+    return list(token_ids[-k:] if params.truncation_side == "left" else token_ids[:k])
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1

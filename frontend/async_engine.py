@@ -16,7 +16,7 @@ from headrace.checkpoint.tokenizer import Tokenizer
 from headrace.config import EngineArgs
 from headrace.core.outputs import RequestOutput
 from headrace.core.protocol import Ready, RequestError, Stats, StepOutputs
-from headrace.core.request import check_prompt
+from headrace.core.request import check_prompt, truncate_prompt
 from headrace.frontend.client import EngineClient, EngineDeadError, EngineRestartingError
 from headrace.frontend.core_process import CoreProcess
 from headrace.frontend.output_processor import RequestState, TokenText
@@ -286,17 +286,18 @@ class AsyncEngine:
                           request_id: str | None = None) -> RequestState:
         """Submit one request; returns its state (stream it with outputs())."""
         await self.start()
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids = self.tokenize(prompt, params=sampling_params)
         return await self.submit(text, token_ids, sampling_params, request_id)
 
     async def submit(self, text: str | None, token_ids: list[int], sampling_params: SamplingParams | None = None,
                      request_id: str | None = None) -> RequestState:
-        """Submit an already tokenized and validated prompt."""
+        """Submit an already tokenized and validated prompt (truncated as the params say, if not yet)."""
         self._check_alive(any_core=self._reconnect)  # reconnecting, the live cores take what comes meanwhile
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = self._resolve_params(params)
+        token_ids = truncate_prompt(token_ids, params, self.info.max_model_len)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -329,9 +330,11 @@ class AsyncEngine:
             params = msgspec.structs.replace(params, bad_words_token_ids=seqs)
         return params
 
-    def tokenize(self, prompt: Prompt, index: int | None = None) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt, index: int | None = None,
+                 params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) of a string, token-id list, chat messages or
-        {"prompt" | "prompt_token_ids": ...}; validated against the model."""
+        {"prompt" | "prompt_token_ids": ...}; truncated as params.truncate_prompt_tokens
+        says, then validated against the model. The text stays the one given."""
         name = "prompt" if index is None else f"prompt {index}"
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -350,6 +353,8 @@ class AsyncEngine:
             token_ids = list(prompt)
         else:
             raise TypeError(f"{name} must be a string, a list of token ids or a list of chat messages")
+        if isinstance(params, SamplingParams):  # another type is refused when the request is submitted
+            token_ids = truncate_prompt(token_ids, params, self.info.max_model_len)
         check_prompt(token_ids, self.info.max_model_len, self.info.vocab_size, name)
         return text, token_ids
 

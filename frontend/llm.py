@@ -126,7 +126,7 @@ class LLM:
         for i, sp in enumerate(params):
             if not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(sp).__name__}")
-        inputs = [self._frontend.tokenize(p, i) for i, p in enumerate(prompts)]
+        inputs = [self._frontend.tokenize(p, i, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         final = [msgspec.structs.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         return self._call(self._run(inputs, final, use_tqdm))
 

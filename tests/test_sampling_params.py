@@ -192,6 +192,34 @@ def test_logprob_validation():
     assert SamplingParams(extra_args={"activation_func": "sigmoid"}).act_func == "sigmoid"
 
 
+def test_truncated_prompts_match_transformers_on_the_kept_tokens(llm, path, hf_model):
+    prompt = list(range(20, 60))
+    sp = dict(temperature=0, max_tokens=8)
+    outs = llm.generate([prompt] * 3, [SamplingParams(**sp, truncate_prompt_tokens=10),
+                                       SamplingParams(**sp, truncate_prompt_tokens=10, truncation_side="right"),
+                                       SamplingParams(**sp, truncate_prompt_tokens=100)], use_tqdm=False)
+    model = hf_model(path)
+    for out, kept in zip(outs, (prompt[-10:], prompt[:10], prompt)):
+        assert out.prompt_token_ids == kept
+        assert out.outputs[0].token_ids == hf_generate(model, kept, 8)
+    # -1: what max_model_len (128) leaves beside max_tokens; a prompt longer than the context fits then
+    (out,) = llm.generate([list(range(5, 205))], SamplingParams(**sp, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert out.prompt_token_ids == list(range(5, 205))[-120:] and len(out.outputs[0].token_ids) <= 8
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(121\) is more than max_model_len - max_tokens"):
+        llm.generate([prompt], SamplingParams(**sp, truncate_prompt_tokens=121), use_tqdm=False)
+
+
+def test_truncation_validation():
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= 1, or -1"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="truncation_side must be one of"):
+        SamplingParams(truncate_prompt_tokens=4, truncation_side="both")
+    with pytest.raises(ValueError, match="truncation_side applies with truncate_prompt_tokens only"):
+        SamplingParams(truncation_side="right")
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be of type int"):
+        SamplingParams(truncate_prompt_tokens=True)
+
+
 def test_token_ids_outside_the_vocabulary_are_refused(llm):
     vocab = llm.engine.model_config.vocab_size
     for kwargs, field in [(dict(logit_bias={vocab: 1.0}), "logit_bias"),

@@ -9,6 +9,7 @@ stream's generator is closed, which aborts through AsyncEngine.outputs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -22,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from headrace.core.request import check_prompt
+from headrace.core.request import check_prompt, truncate_prompt
 from headrace.frontend.api import responses as R
 from headrace.sampling_params import SamplingParams
 from headrace.frontend.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -129,7 +130,7 @@ class OpenAIServer:
         self._check_model(req.model)
         params = req.params()
         add_special = req.add_special_tokens is not False
-        prompts = [await self._encode(p, i, add_special) for i, p in enumerate(req.prompts())]
+        prompts = [await self._encode(p, i, add_special, params) for i, p in enumerate(req.prompts())]
         self._check_room(prompts, params)
         env = R.Envelope("cmpl", uuid.uuid4().hex, self.name)
         states = await self._submit(prompts, params)
@@ -137,11 +138,12 @@ class OpenAIServer:
             return EventStream(self._completion_events(req, env, prompts, states))
         outs = await _until_done_or_gone(request, self._finals(states))
         choices = [self._completion_choice(req, p, out, c, i * params.n + c.index, first=True,
-                                           logprobs=R.LegacyLogprobs() if req.wants_logprobs else None)
+                                           logprobs=R.LegacyLogprobs() if req.wants_logprobs else None, whole=True)
                    for i, (p, out) in enumerate(zip(prompts, outs)) for c in out.outputs]
         num_generated = sum(len(c.token_ids) for out in outs for c in out.outputs)
         num_prompt = sum(len(p.ids) for p in prompts)
-        return json_response(env.body("text_completion", choices, usage=R.usage(num_prompt, num_generated)))
+        cached = sum(out.num_cached_tokens or 0 for out in outs)
+        return json_response(env.body("text_completion", choices, usage=R.usage(num_prompt, num_generated, cached)))
 
     async def chat_completions(self, request: Request) -> Response:
         req = decode_body(await _body(request), ChatCompletionRequest)
@@ -149,7 +151,7 @@ class OpenAIServer:
         params = req.params()
         conversation = req.conversation()
         prompt = await self._chat_prompt(conversation, req.add_generation_prompt, req.continue_final_message,
-                                         req.chat_template_kwargs, req.add_special_tokens is True)
+                                         req.chat_template_kwargs, req.add_special_tokens is True, params)
         self._check_room([prompt], params)
         # echo: the reply continues the last message when that has the reply's role
         prefix = conversation[-1]["content"] if req.echo and conversation[-1]["role"] == "assistant" else ""
@@ -158,16 +160,17 @@ class OpenAIServer:
         if req.stream:
             return EventStream(self._chat_events(req, env, prompt, state, prefix))
         (out,) = await _until_done_or_gone(request, self._finals([state]))
-        choices = []
-        for c in out.outputs:
-            lp = self._chat_logprobs(req, params, c) if req.logprobs else None
-            choice = {"index": c.index, "message": {"role": "assistant", "content": prefix + c.text},
-                      "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
-            choices.append(choice)
+        ids = req.return_token_ids
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": prefix + c.text},
+                    "logprobs": self._chat_logprobs(req, params, c) if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "token_ids": list(c.token_ids) if ids else None} for c in out.outputs]
         num_generated = sum(len(c.token_ids) for c in out.outputs)
-        return json_response(env.body("chat.completion", choices, usage=R.usage(len(prompt.ids), num_generated)))
+        usage = R.usage(len(prompt.ids), num_generated, out.num_cached_tokens or 0)
+        # vLLM's fields beside OpenAI's: the prompt's logprobs and token ids, once for the whole response
+        return json_response(env.body("chat.completion", choices, usage=usage,
+                                      prompt_logprobs=R.prompt_logprobs_json(out.prompt_logprobs),
+                                      prompt_token_ids=prompt.ids if ids else None))
 
     async def models(self, request: Request) -> Response:
         info = self.engine.info
@@ -204,7 +207,7 @@ class OpenAIServer:
         else:
             conversation = ChatCompletionRequest(messages=req.messages).conversation()
             ids = (await self._chat_prompt(conversation, req.add_generation_prompt, req.continue_final_message,
-                                           req.chat_template_kwargs, req.add_special_tokens is True)).ids
+                                           req.chat_template_kwargs, req.add_special_tokens is True, None)).ids
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": self.engine.info.max_model_len})
 
     async def detokenize(self, request: Request) -> Response:
@@ -223,17 +226,16 @@ class OpenAIServer:
             raise APIError(f"the model {model!r} does not exist; this server serves {self.name!r}", 404,
                            param="model", type_="NotFoundError", code="model_not_found")
 
-    async def _encode(self, prompt: str | list[int], index: int, add_special: bool) -> _Prompt:
+    async def _encode(self, prompt: str | list[int], index: int, add_special: bool, params: SamplingParams) -> _Prompt:
         text = prompt if isinstance(prompt, str) else None
         if text is not None:
             ids = await _off_loop(len(text), self.engine.tokenizer.encode, text, add_special_tokens=add_special)
         else:
             ids = prompt
-        self._check_prompt(ids, "the prompt" if index == 0 else f"prompt {index}")
-        return _Prompt(text, ids)
+        return self._prompt(text, ids, "the prompt" if index == 0 else f"prompt {index}", params)
 
-    async def _chat_prompt(self, conversation: list[dict], add_generation_prompt: bool,
-                           continue_final_message: bool, kwargs: dict | None, add_special: bool) -> _Prompt:
+    async def _chat_prompt(self, conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                           kwargs: dict | None, add_special: bool, params: SamplingParams | None) -> _Prompt:
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError("the model has no chat template; use /v1/completions", param="messages")
@@ -245,14 +247,20 @@ class OpenAIServer:
         except Exception as e:  # the template's own checks (roles, order) raise template errors
             raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
         ids = await _off_loop(len(text), tok.encode, text, add_special_tokens=add_special)
-        self._check_prompt(ids, "the conversation")
-        return _Prompt(text, ids)
+        return self._prompt(text, ids, "the conversation", params)
 
-    def _check_prompt(self, ids: list[int], name: str) -> None:
+    def _prompt(self, text: str | None, ids: list[int], name: str, params: SamplingParams | None) -> _Prompt:
+        """The prompt cut as params.truncate_prompt_tokens says (its text then comes from the ids kept), checked."""
+        info = self.engine.info
         try:
-            check_prompt(ids, self.engine.info.max_model_len, self.engine.info.vocab_size, name)
+            if params is not None:
+                kept = truncate_prompt(ids, params, info.max_model_len)
+                if len(kept) < len(ids):
+                    text, ids = None, kept
+            check_prompt(ids, info.max_model_len, info.vocab_size, name)
         except ValueError as e:
-            raise APIError(str(e), param="prompt") from None
+            raise APIError(str(e), param=named_param(str(e)) or "prompt") from None
+        return _Prompt(text, ids)
 
     def _check_room(self, prompts: list[_Prompt], params: SamplingParams) -> None:
         limit = self.engine.info.max_model_len
@@ -324,10 +332,12 @@ class OpenAIServer:
         return p.text if p.text is not None else self.engine.tokenizer.decode(p.ids)
 
     def _completion_choice(self, req: CompletionRequest, prompt: _Prompt, out, c, index: int, first: bool,
-                           logprobs: R.LegacyLogprobs | None) -> dict:
+                           logprobs: R.LegacyLogprobs | None, whole: bool = False) -> dict:
         """A completion choice: a whole one, or what one stream chunk adds to it.
         The first (for a whole response, the only) part carries the echoed
-        prompt, its logprobs, and the prompt_logprobs asked for."""
+        prompt, its logprobs, the prompt_logprobs and, with return_token_ids,
+        the prompt's ids. A whole choice has vLLM's fields null when not asked
+        for; a chunk leaves them out."""
         text, lp = c.text, None
         echo = first and req.echo
         if echo:
@@ -338,55 +348,86 @@ class OpenAIServer:
             lp = _join(echoed, logprobs.chunk(c.token_ids, c.logprobs, text_of))
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_reason}
-        if first and req.prompt_logprobs is not None:  # asked for, not only implied by echo
+        ids = req.return_token_ids
+        if whole:
+            choice.update(prompt_logprobs=R.prompt_logprobs_json(out.prompt_logprobs),
+                          prompt_token_ids=prompt.ids if ids else None, token_ids=list(c.token_ids) if ids else None)
+            return choice
+        if first and out.prompt_logprobs is not None:
             choice["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
+        if ids:
+            if first:
+                choice["prompt_token_ids"] = prompt.ids
+            choice["token_ids"] = list(c.token_ids)
         return choice
 
     async def _completion_events(self, req: CompletionRequest, env: R.Envelope, prompts: list[_Prompt],
                                  states: list[RequestState]) -> AsyncIterator[bytes]:
         n = states[0].params.n
-        num_prompt = sum(len(p.ids) for p in prompts)
-        num_generated = 0
+        generated: dict[int, int] = {}  # choice index -> tokens so far
+        cached = [0] * len(prompts)  # prompt index -> tokens the prefix cache served
         logprobs: dict[int, R.LegacyLogprobs | None] = {}  # choice index -> its logprobs' running text offset
         async for i, out in self._merged(states):
+            cached[i] = out.num_cached_tokens or 0
             events = []
             for c in out.outputs:
                 index = i * n + c.index
-                num_generated += len(c.token_ids)
                 first = index not in logprobs
+                generated[index] = generated.get(index, 0) + len(c.token_ids)
                 if first:
                     logprobs[index] = R.LegacyLogprobs() if req.wants_logprobs else None
                 choice = self._completion_choice(req, prompts[i], out, c, index, first, logprobs[index])
-                extra = {"usage": R.usage(num_prompt, num_generated)} if req.continuous_usage else {}
+                extra = {"usage": R.usage(len(prompts[i].ids), generated[index], cached[i])} \
+                    if req.continuous_usage else {}
                 events.append(_event(env.body("text_completion", [choice], **extra)))
             if events:
                 yield b"".join(events)
         if req.include_usage:
-            yield _event(env.body("text_completion", [], usage=R.usage(num_prompt, num_generated)))
+            usage = R.usage(sum(len(p.ids) for p in prompts), sum(generated.values()), sum(cached))
+            yield _event(env.body("text_completion", [], usage=usage))
 
     async def _chat_events(self, req: ChatCompletionRequest, env: R.Envelope, prompt: _Prompt, state: RequestState,
                            prefix: str) -> AsyncIterator[bytes]:
         params = state.params
-        num_generated = 0
-        # The role first, for every choice, before any token: the client sees the stream open at once.
-        yield b"".join(_event(env.body("chat.completion.chunk", [
-            {"index": j, "delta": {"role": "assistant", "content": prefix}, "logprobs": None, "finish_reason": None}
-        ])) for j in range(params.n))
-        async for _, out in self._merged([state]):
-            events = []
-            for c in out.outputs:
-                num_generated += len(c.token_ids)
-                lp = self._chat_logprobs(req, params, c) if req.logprobs else None
-                choice = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
-                          "finish_reason": c.finish_reason}
-                if c.finish_reason is not None:
-                    choice["stop_reason"] = c.stop_reason
-                extra = {"usage": R.usage(len(prompt.ids), num_generated)} if req.continuous_usage else {}
-                events.append(_event(env.body("chat.completion.chunk", [choice], **extra)))
-            if events:
-                yield b"".join(events)
+        num_prompt = len(prompt.ids)
+        generated = [0] * params.n  # choice index -> tokens so far
+        async with contextlib.aclosing(self._merged([state])) as outs:
+            # The role first, for every choice, before any token: the client sees the stream open at once.
+            # With continuous usage the role chunks wait for the first output, whose cached count their usage holds.
+            first = await anext(outs, None) if req.continuous_usage else None
+            cached = (first[1].num_cached_tokens or 0) if first is not None else 0
+            opening = {}
+            if req.continuous_usage:
+                opening["usage"] = R.usage(num_prompt, 0, cached)
+            if req.return_token_ids:
+                opening["prompt_token_ids"] = prompt.ids
+            yield b"".join(_event(env.body("chat.completion.chunk", [
+                {"index": j, "delta": {"role": "assistant", "content": prefix}, "logprobs": None, "finish_reason": None}
+            ], **opening)) for j in range(params.n))
+            prompt_logprobs_sent = False
+            async for _, out in _chain(first, outs):
+                cached = out.num_cached_tokens or 0
+                events = []
+                for c in out.outputs:
+                    generated[c.index] += len(c.token_ids)
+                    lp = self._chat_logprobs(req, params, c) if req.logprobs else None
+                    choice = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                              "finish_reason": c.finish_reason}
+                    if c.finish_reason is not None:
+                        choice["stop_reason"] = c.stop_reason
+                    if req.return_token_ids:
+                        choice["token_ids"] = list(c.token_ids)
+                    extra = {}
+                    if req.continuous_usage:
+                        extra["usage"] = R.usage(num_prompt, generated[c.index], cached)
+                    if out.prompt_logprobs is not None and not prompt_logprobs_sent:  # once, as in a whole response
+                        extra["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
+                        prompt_logprobs_sent = True
+                    events.append(_event(env.body("chat.completion.chunk", [choice], **extra)))
+                if events:
+                    yield b"".join(events)
         if req.include_usage:
-            yield _event(env.body("chat.completion.chunk", [], usage=R.usage(len(prompt.ids), num_generated)))
+            yield _event(env.body("chat.completion.chunk", [], usage=R.usage(num_prompt, sum(generated), cached)))
 
     def _chat_logprobs(self, req: ChatCompletionRequest, params: SamplingParams, c) -> dict:
         return R.chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, params.logprob_token_ids)
@@ -483,6 +524,14 @@ async def _body(request: Request) -> bytes:
             raise APIError(f"the request body exceeds {MAX_BODY_BYTES} bytes", 413)
         parts.append(chunk)
     return b"".join(parts)
+
+
+async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
+    """first (unless None), then what rest yields."""
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
 
 
 def _join(a: dict | None, b: dict) -> dict:

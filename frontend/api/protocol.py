@@ -28,8 +28,8 @@ class APIError(Exception):
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # usage in every chunk, not only the last
+    include_usage: bool = False  # a last chunk with the whole request's usage
+    continuous_usage_stats: bool = False  # with include_usage: every chunk carries its choice's usage so far
 
 
 class _Generation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -69,6 +69,9 @@ class _Generation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs_mode: str | None = None
     prompt_logprobs: int | None = None
     add_special_tokens: bool | None = None  # default: True for completions, False for chat (the template adds them)
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: what the context leaves)
+    truncation_side: str | None = None  # which end keeps them: "left" (the last ones, the default) or "right"
+    return_token_ids: bool | None = None  # the prompt's and each choice's token ids beside the text
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
                         ) -> SamplingParams:
@@ -104,6 +107,7 @@ class _Generation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             act_func=self.act_func or self.activation_func, logprobs_mode=self.logprobs_mode,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=_or(self.truncation_side, "left"),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
         try:
@@ -113,14 +117,13 @@ class _Generation(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def include_usage(self) -> bool:
-        """A last chunk with the usage (continuous_usage_stats implies it)."""
-        return self.stream_options is not None and (self.stream_options.include_usage
-                                                    or self.stream_options.continuous_usage_stats)
+        """A last chunk with the usage."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
     @property
     def continuous_usage(self) -> bool:
-        """The usage so far in every chunk."""
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """The usage so far in every chunk: continuous_usage_stats with include_usage (vLLM's meaning)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Generation, kw_only=True, forbid_unknown_fields=True):
