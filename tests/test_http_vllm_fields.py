@@ -90,6 +90,19 @@ def test_whole_responses_carry_vllms_fields_null_when_not_asked(api):
     assert isinstance(r.usage.prompt_tokens_details.cached_tokens, int)
 
 
+def test_completion_prompt_logprobs_come_on_each_choices_first_chunk(api, tok):
+    whole = api.completion(n=2, extra_body={"prompt_logprobs": 1}).choices
+    assert whole[0].model_extra["prompt_logprobs"] == whole[1].model_extra["prompt_logprobs"]
+    assert len(whole[0].model_extra["prompt_logprobs"]) == len(tok.encode(PROMPT))
+    chunks = list(api.completion(n=2, stream=True, extra_body={"prompt_logprobs": 1}))
+    for index in (0, 1):
+        mine = [ch.choices[0].model_extra for ch in chunks if ch.choices[0].index == index]
+        assert mine[0]["prompt_logprobs"] == whole[index].model_extra["prompt_logprobs"]
+        assert all("prompt_logprobs" not in m for m in mine[1:])
+    chunks = list(api.completion(stream=True))  # not asked: no chunk carries the field
+    assert all("prompt_logprobs" not in ch.choices[0].model_extra for ch in chunks)
+
+
 def test_chat_prompt_logprobs_come_once_at_the_top_level(api, tok, path, hf_model):
     ids = chat_ids(tok)
     ref = hf_logprobs(hf_model(path), ids)
@@ -143,8 +156,11 @@ def test_truncated_prompts_generate_as_transformers_on_the_kept_tokens(api, tok,
     conv = chat_ids(tok)
     kept = conv[-5:] if side == "left" else conv[:5]
     r = api.chat(extra_body=extra | {"truncate_prompt_tokens": 5})
-    assert r.model_extra["prompt_token_ids"] == kept and r.choices[0].model_extra["token_ids"] == \
-        hf_greedy(model, kept, 6)
+    gen = hf_greedy(model, kept, 6)
+    assert r.model_extra["prompt_token_ids"] == kept and r.choices[0].model_extra["token_ids"] == gen
+    chunks = list(api.chat(stream=True, extra_body=extra | {"truncate_prompt_tokens": 5}))
+    assert chunks[0].model_extra["prompt_token_ids"] == kept
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks[1:]) == tok.decode(gen, skip_special_tokens=True)
 
 
 def test_truncation_to_what_the_context_leaves(api, tok):
@@ -185,6 +201,15 @@ def test_cached_tokens_count_the_prefix_cache(api, tok):
     assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK > 0
     chunks = list(api.completion(prompt=prompt, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK
+    messages = [{"role": "user", "content": prompt}]
+    n = len(tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False))
+    assert api.chat(messages=messages).usage.prompt_tokens_details.cached_tokens == 0
+    for stream in (False, True):
+        options = {"stream_options": {"include_usage": True}} if stream else {}
+        r = api.chat(messages=messages, stream=stream, **options)
+        usage = list(r)[-1].usage if stream else r.usage
+        assert usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK > 0
 
 
 @pytest.mark.parametrize("options", [{"continuous_usage_stats": True}, {"include_usage": True},
