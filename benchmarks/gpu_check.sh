@@ -7,8 +7,9 @@
 #   throughput  benchmarks/throughput.py
 #   logprobs    benchmarks/logprobs_cost.py
 #   streaming   benchmarks/streaming.py
-#   serving     benchmarks/serving.py (in-process peer, bursts, scale-out, HTTP, Poisson arrivals); its http
-#               part needs among the wheels starlette, uvicorn, httptools, openai, pydantic, pydantic-core,
+#   serving     benchmarks/serving.py (in-process peer, bursts, scale-out, HTTP, Poisson arrivals in process and
+#               through HTTP); its http parts
+#               need among the wheels starlette, uvicorn, httptools, openai, pydantic, pydantic-core,
 #               jiter, distro, sniffio, annotated-types, typing-inspection (cp312 for the compiled ones;
 #               the machine has httpx, anyio, h11, click and tqdm)
 #   prefill     benchmarks/prefill_step.py, profiling batch 64 with a 512-token prompt

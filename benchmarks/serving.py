@@ -4,7 +4,7 @@ and without logprobs, from one and from several frontend processes, and the
 latency of requests that arrive as a Poisson process; and the same burst
 through the OpenAI-compatible HTTP server with the openai client.
 
-    python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,http,poisson]
+    python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,http,poisson,http-poisson]
         [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--rates 8,24]
         [--tensor-parallel-size 1] [--data-parallel-size 1 (http: serve's cores)]
         [--repeats 1] [--loop-load MS]
@@ -36,9 +36,9 @@ Parts:
   processes on one port, over a core with the engine args of burst), sent by
   --http-clients processes, each its share of the requests at once with the
   openai client's AsyncOpenAI: one streamed /v1/completions each (token-id
-  prompt, ignore_eos as an extra body field, usage in the last chunk). A
-  request counts the completion_tokens of its usage chunk; one that errs or
-  gets other than its max_tokens counts as failed. The client parses every
+  prompt, ignore_eos and return_token_ids as extra body fields, usage in the
+  last chunk). A request counts its chunks' token ids; one that errs, or gets
+  other than its max_tokens there or in its usage, counts as failed. The client parses every
   chunk with pydantic, so one client process would bound the figure; the
   processes are timed as scaleout's. Target: at least 0.9 of burst's tok/s.
 - poisson: for each of --rates, the requests arrive at exponential
@@ -48,6 +48,12 @@ Parts:
   output, (its arrival - the previous one's) / its number of tokens, counted
   once per token. Targets: TTFT p99 under 200 ms at 24 req/s; ITL p99 under
   3x its p50.
+- http-poisson: the same arrivals through the server of http, spread over
+  the --http-clients processes (client i sends arrivals i, i + n, ...,
+  each at its time from the common "go"): one streamed /v1/completions each
+  with return_token_ids, so that a chunk's tokens are counted exactly; TTFT
+  and ITL as poisson measures them. Target: TTFT p99 and ITL p99 within 1.5x
+  of poisson's at the same rate.
 
 burst, burst-logprobs and poisson share one spawned engine (a new one after
 an EngineDeadError), run before scaleout starts its core, and the server of
@@ -83,7 +89,8 @@ from benchmarks_common import (ScheduleRecorder, StepFloor, core_process, measur
 from headrace import AsyncEngine, EngineDeadError, RequestOutputKind, SamplingParams
 from headrace.frontend.async_engine import run
 
-PARTS = ("inproc", "burst", "burst-logprobs", "scaleout", "http", "poisson")
+PARTS = ("inproc", "burst", "burst-logprobs", "scaleout", "http", "poisson", "http-poisson")
+HTTP_PARTS = ("http", "http-poisson")
 NUM_LOGPROBS = 5
 
 
@@ -201,25 +208,42 @@ def percentiles(seconds: list[float]) -> list[float] | None:
     return [float(v) * 1e3 for v in np.percentile(seconds, [50, 90, 99])] if seconds else None
 
 
+def arrival_times(n: int, rate: float) -> list[float]:
+    """Seconds from the start at which n Poisson arrivals at rate come (the first at once)."""
+    rng = random.Random(1)
+    return list(itertools.accumulate((rng.expovariate(rate) for _ in range(n - 1)), initial=0.0))
+
+
+class Latencies:
+    """TTFT and ITL samples of streamed requests (seconds)."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+
+    def chunk(self, submitted: float, last: float | None, now: float, k: int) -> float | None:
+        """Record a chunk of k tokens arriving at now; returns the new last arrival."""
+        if k == 0:
+            return last
+        if last is None:
+            self.ttft.append(now - submitted)
+        else:
+            self.itl.extend([(now - last) / k] * k)
+        return now
+
+
 async def poisson(engine, prompts, max_tokens, rate: float, load_ms: float) -> dict:
     await warm_up(engine, prompts, None)
-    rng = random.Random(1)
-    arrivals = list(itertools.accumulate((rng.expovariate(rate) for _ in prompts[1:]), initial=0.0))
-    ttft, itl = [], []
+    arrivals = arrival_times(len(prompts), rate)
+    lat = Latencies()
 
     async def request(prompt, m, at):
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         submitted, last, tokens = time.perf_counter(), None, 0
         try:
             async for out in engine.generate(prompt, params(m)):
-                now, k = time.perf_counter(), len(out.outputs[0].token_ids)
-                if k == 0:
-                    continue
-                if last is None:
-                    ttft.append(now - submitted)
-                else:
-                    itl.extend([(now - last) / k] * k)
-                last, tokens = now, tokens + k
+                k = len(out.outputs[0].token_ids)
+                last, tokens = lat.chunk(submitted, last, time.perf_counter(), k), tokens + k
         except EngineDeadError:
             return tokens, 1
         return tokens, 0
@@ -229,8 +253,8 @@ async def poisson(engine, prompts, max_tokens, rate: float, load_ms: float) -> d
         counts = await asyncio.gather(*map(request, prompts, max_tokens, arrivals))
         seconds = time.perf_counter() - start
     tokens, dead = (sum(c) for c in zip(*counts))
-    return {"rate": rate, "requests": len(prompts) - dead, "tokens": tokens, "seconds": seconds,
-            "dead_streams": dead, "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl)}
+    return {"path": "AsyncEngine", "rate": rate, "requests": len(prompts) - dead, "tokens": tokens,
+            "seconds": seconds, "dead_streams": dead, "ttft_ms": percentiles(lat.ttft), "itl_ms": percentiles(lat.itl)}
 
 
 class SpawnedEngine:
@@ -334,52 +358,80 @@ def api_server(args):
             proc.wait()
 
 
-async def http_burst(client, model: str, prompts, max_tokens) -> dict:
-    """All requests at once, one streamed completion each: output tokens (the
-    usage chunks' completion_tokens), failed requests, their first errors, seconds."""
-    async def complete(prompt, m):
-        tokens = 0
+async def http_requests(client, model: str, prompts, max_tokens, arrivals=None) -> dict:
+    """One streamed completion each, sent at its arrival time (seconds from now; None: all
+    at once): output tokens (each chunk's token_ids, checked against the usage chunk's
+    completion_tokens), failed requests, their first errors, seconds, TTFT and ITL samples."""
+    lat = Latencies()
+
+    async def complete(prompt, m, at):
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        submitted, last, tokens, usage = time.perf_counter(), None, 0, None
         try:
             stream = await client.completions.create(
                 model=model, prompt=prompt, max_tokens=m, temperature=0.6, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
             async for chunk in stream:
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-            if tokens != m:
-                raise ValueError(f"completion_tokens {tokens}, max_tokens {m}")
+                k = len(chunk.choices[0].model_extra["token_ids"]) if chunk.choices else 0
+                last, tokens = lat.chunk(submitted, last, time.perf_counter(), k), tokens + k
+                usage = chunk.usage or usage
+            if tokens != m or usage is None or usage.completion_tokens != m:
+                raise ValueError(f"{tokens} tokens, usage {usage}, max_tokens {m}")
             return tokens, None
         except Exception as e:
             return tokens, f"{type(e).__name__}: {e}"
 
-    t0 = time.perf_counter()
-    done = await asyncio.gather(*map(complete, prompts, max_tokens))
+    start = time.perf_counter()
+    done = await asyncio.gather(*map(complete, prompts, max_tokens, arrivals or [0.0] * len(prompts)))
     errors = [e for _, e in done if e is not None]
     return {"tokens": sum(t for t, _ in done), "failed_requests": len(errors), "errors": errors[:3],
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - start, "ttft": lat.ttft, "itl": lat.itl}
 
 
 async def http_client_process(url: str, job: dict) -> dict:
-    """An http client (benchmarks_common.run_workers): warm up, ready, go, burst."""
+    """An http client (benchmarks_common.run_workers): warm up, ready, go, then its requests:
+    at once, or at the job's arrival times."""
     from openai import AsyncOpenAI
 
     async with AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as client:
-        await http_burst(client, job["model"], job["prompts"], [2] * len(job["prompts"]))
+        await http_requests(client, job["model"], job["prompts"], [2] * len(job["prompts"]))
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)
-        return await http_burst(client, job["model"], job["prompts"], job["max_tokens"])
+        return await http_requests(client, job["model"], job["prompts"], job["max_tokens"], job.get("arrivals"))
 
 
 def http(args, prompts, max_tokens) -> dict:
+    """The http burst and the http-poisson rates, as args.parts asks, through one `headrace serve`."""
     n = args.http_clients
+    results = {}
     with api_server(args) as url:
-        jobs = [{"model": args.model, "prompts": prompts[i::n], "max_tokens": max_tokens[i::n]} for i in range(n)]
-        seconds, answers = run_workers([sys.executable, __file__, "--http-client", url], jobs)
-    result = {"seconds": seconds, "tokens": sum(a["tokens"] for a in answers),
-              "failed_requests": sum(a["failed_requests"] for a in answers),
-              "errors": [e for a in answers for e in a["errors"]][:5], "clients": answers}
-    log("http", result)
-    return result
+        def clients(arrivals=None) -> dict:
+            jobs = [{"model": args.model, "prompts": prompts[i::n], "max_tokens": max_tokens[i::n]}
+                    for i in range(n)]
+            if arrivals is not None:
+                for i, job in enumerate(jobs):
+                    job["arrivals"] = arrivals[i::n]
+            seconds, answers = run_workers([sys.executable, __file__, "--http-client", url], jobs)
+            return {"seconds": seconds, "tokens": sum(a["tokens"] for a in answers),
+                    "failed_requests": sum(a["failed_requests"] for a in answers),
+                    "errors": [e for a in answers for e in a["errors"]][:5],
+                    "ttft": [t for a in answers for t in a.get("ttft", ())],
+                    "itl": [t for a in answers for t in a.get("itl", ())]}
+
+        if "http" in args.parts:
+            results["http"] = clients()
+            log("http", results["http"])
+        if "http-poisson" in args.parts:
+            results["http-poisson"] = []
+            for rate in args.rates:
+                r = clients(arrival_times(len(prompts), rate))
+                ttft, itl = r.pop("ttft"), r.pop("itl")
+                results["http-poisson"].append({"path": "headrace serve (HTTP)", "rate": rate,
+                                                "requests": len(prompts) - r["failed_requests"], **r,
+                                                "ttft_ms": percentiles(ttft),
+                                                "itl_ms": percentiles(itl)})
+                log(f"http-poisson {rate:g} req/s", results["http-poisson"][-1])
+    return results
 
 
 # ---- report ----
@@ -458,15 +510,24 @@ def median_of_runs(runs: list[dict]) -> tuple[float | None, list[str]]:
 
 
 def poisson_rows(results: list[dict]) -> list[dict]:
+    """poisson's and http-poisson's runs, with notes on their targets; an HTTP run is set
+    against AsyncEngine's at the same rate."""
     rows = []
+    engine = {r["rate"]: r for r in results if r["path"] == "AsyncEngine"}
     for r in results:
         ttft, itl = r["ttft_ms"], r["itl_ms"]
         notes = []
-        if r["dead_streams"]:
+        if r.get("dead_streams"):
             notes.append(f"EngineDeadError in {r['dead_streams']} streams")
-        if ttft:
+        if r.get("failed_requests"):
+            notes.append(f"{r['failed_requests']} failed requests, first: {r['errors'][0]}")
+        peer = engine.get(r["rate"]) if r["path"] != "AsyncEngine" else None
+        if peer and ttft and itl and peer["ttft_ms"] and peer["itl_ms"]:
+            for name, mine, theirs in (("TTFT", ttft, peer["ttft_ms"]), ("ITL", itl, peer["itl_ms"])):
+                ratio = mine[2] / theirs[2]
+                notes.append(f"{name} p99 {ratio:.2f}x AsyncEngine's (<= 1.5: {'yes' if ratio <= 1.5 else 'no'})")
+        elif ttft and itl:
             notes.append(f"TTFT p99 < 200 ms: {'yes' if ttft[2] < 200 else 'no'}")
-        if itl:
             notes.append(f"ITL p99 / p50 = {itl[2] / itl[0]:.2f} (< 3: {'yes' if itl[2] < 3 * itl[0] else 'no'})")
         rows.append({**r, "tok_s": tok_s(r), "notes": "; ".join(notes)})
     return rows
@@ -481,11 +542,12 @@ def print_tables(paths: list[dict], poisson_results: list[dict]) -> None:
         for r in paths:
             print(f"| {r['path']} | {fmt(r['tok_s'], '.0f')} | {fmt(r['ratio'], '.3f')} | {r['notes']} |")
     if poisson_results:
-        print("\n| rate req/s | requests | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | notes |\n"
-              "| ---: | ---: | ---: | ---: | ---: | --- |")
-        for r in poisson_results:
+        print("\n| path | rate req/s | requests | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
+              "| notes |\n| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+        for r in sorted(poisson_results, key=lambda r: r["rate"]):
             ttft, itl = (" / ".join(f"{v:.1f}" for v in p) if p else "-" for p in (r["ttft_ms"], r["itl_ms"]))
-            print(f"| {r['rate']:g} | {r['requests']} | {r['tok_s']:.0f} | {ttft} | {itl} | {r['notes']} |")
+            print(f"| {r['path']} | {r['rate']:g} | {r['requests']} | {r['tok_s']:.0f} | {ttft} | {itl} "
+                  f"| {r['notes']} |")
 
 
 # ---- main ----
@@ -516,7 +578,7 @@ def parse_args():
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     missing = [m for m in ("openai", "starlette", "uvicorn", "httptools") if importlib.util.find_spec(m) is None]
-    if "http" in args.parts and missing:
+    if set(HTTP_PARTS) & set(args.parts) and missing:
         parser.error(f"the http part needs {', '.join(missing)} (and their dependencies); or leave it out of --parts")
     args.rates = [float(r) for r in args.rates.split(",")]
     return args
@@ -554,10 +616,10 @@ def main() -> None:
     results.update(run(spawned_engine_parts(args, prompts, max_tokens)))
     if "scaleout" in args.parts:
         results["scaleout"] = scale_out(args, prompts, max_tokens)
-    if "http" in args.parts:
-        results["http"] = http(args, prompts, max_tokens)
+    if set(HTTP_PARTS) & set(args.parts):
+        results.update(http(args, prompts, max_tokens))
     paths = path_rows(results, expected, args)
-    poisson_results = poisson_rows(results.get("poisson", []))
+    poisson_results = poisson_rows(results.get("poisson", []) + results.get("http-poisson", []))
     print_tables(paths, poisson_results)
     if args.json:
         with open(args.json, "w") as f:

@@ -41,6 +41,15 @@ async def wait_until_idle(engine: AsyncEngine, timeout: float = 10.0):
         await asyncio.sleep(0.1)
 
 
+def assert_core_idle(address: str) -> None:
+    """Join the core at address and wait until it is idle with every KV block free (else AssertionError)."""
+    async def check():
+        async with AsyncEngine.connect(address) as engine:
+            await wait_until_idle(engine)
+
+    asyncio.run(check())
+
+
 async def seconds_until_dead(streams, since: float, timeout: float) -> list[float]:
     """Drain every generate() stream, each of which must end in
     EngineDeadError: how long after `since` (time.monotonic) each did."""

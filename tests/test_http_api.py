@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from headrace import LLM, AsyncEngine, SamplingParams
+from headrace import LLM, SamplingParams
 from tests.conftest import hf_greedy, hf_logprobs
-from tests.cores import wait_until_idle
+from tests.cores import assert_core_idle
 from tests.servers import Serve
 
 PROMPTS = ["The river is low today.", "今天天气很好，我们去河边散步吧。", "def f(x):\n    return x", "Emoji 👍🏽 and"]
@@ -54,12 +54,7 @@ def tok(path):
 def core_idle_after(server):
     """After every test the core holds no request and every KV block is free."""
     yield
-
-    async def check():
-        async with AsyncEngine.connect(server.core_address) as engine:
-            await wait_until_idle(engine)
-
-    asyncio.run(check())
+    assert_core_idle(server.core_address)
 
 
 def chat_ids(tok, messages) -> list[int]:

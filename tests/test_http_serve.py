@@ -2,7 +2,6 @@
 servers on one port, the API key, and children that die and are restarted."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -16,8 +15,7 @@ import httpx
 import openai
 import pytest
 
-from headrace import AsyncEngine
-from tests.cores import wait_until_idle
+from tests.cores import assert_core_idle
 from tests.servers import Serve, wait_for
 
 # Close to a thousand engine steps: far longer than the clients below wait.
@@ -33,11 +31,7 @@ def server(checkpoint):
 
 
 def core_idle(server: Serve) -> None:
-    async def check():
-        async with AsyncEngine.connect(server.core_address) as engine:
-            await wait_until_idle(engine)
-
-    asyncio.run(check())
+    assert_core_idle(server.core_address)
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from headrace import AsyncEngine, SamplingParams
 from tests.conftest import hf_greedy, hf_logprobs
-from tests.cores import wait_until_idle
+from tests.cores import assert_core_idle
 from tests.servers import Serve
 
 PROMPT = "The river is low today, and the boats wait at the quay for the rain to come."
@@ -46,12 +46,7 @@ def tok(path):
 def core_idle_after(server):
     """After every test the core holds no request and every KV block is free."""
     yield
-
-    async def check():
-        async with AsyncEngine.connect(server.core_address) as engine:
-            await wait_until_idle(engine)
-
-    asyncio.run(check())
+    assert_core_idle(server.core_address)
 
 
 def chat_ids(tok) -> list[int]:
