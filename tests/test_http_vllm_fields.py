@@ -148,6 +148,9 @@ def test_truncated_prompts_generate_as_transformers_on_the_kept_tokens(api, tok,
     gen = hf_greedy(model, kept, 6)
     assert c.model_extra["token_ids"] == gen
     assert c.text == tok.decode(kept) + tok.decode(gen, skip_special_tokens=True)  # the echo is the kept prompt
+    chunks = list(api.completion(stream=True, stream_options={"include_usage": True}, extra_body=extra))
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == kept and chunks[-1].usage.prompt_tokens == 7
+    assert sum((ch.choices[0].model_extra["token_ids"] for ch in chunks[:-1]), []) == gen
     conv = chat_ids(tok)
     kept = conv[-5:] if side == "left" else conv[:5]
     r = api.chat(extra_body=extra | {"truncate_prompt_tokens": 5})
