@@ -28,6 +28,7 @@ from headrace.checkpoint.tokenizer import load_tokenizer, prepare_tokenizer
 from headrace.core.protocol import EngineCoreOutput, StepOutputs, encode, from_core_decoder, pack_floats, pack_ids
 from headrace.frontend.async_engine import run
 from headrace.frontend.output_processor import TokenText
+from headrace.frontend.router import Router
 
 
 def frames(num_requests: int, num_tokens: int, vocab: int, num_logprobs: int | None) -> list[bytes]:
@@ -116,6 +117,7 @@ def main() -> None:
     engine = AsyncEngine.connect("ipc:///unused")
     client = _NullClient()
     engine.tokenizer, engine._clients, engine._load = tokenizer, [client], [0]
+    engine._router = Router([16], [1 << 20], "least_loaded")  # what the handshake would make for one core
     engine.info = type("Info", (), {"vocab_size": len(tokenizer), "max_model_len": 1 << 20})()
     t0 = time.perf_counter()
     engine._token_text = TokenText(tokenizer, len(tokenizer))
