@@ -1,10 +1,10 @@
 """User-facing results, shaped as vLLM's: RequestOutput holds CompletionOutputs."""
 from __future__ import annotations
 
+import functools
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 
 @dataclass(slots=True)
@@ -34,12 +34,11 @@ class Logprobs(Sequence):
     token has no context.
     """
 
-    __slots__ = ("_packed", "_arrays", "_num", "_ranked", "_text", "_num_empty", "_built")
+    __slots__ = ("_packed", "_num", "_ranked", "_text", "_num_empty", "_built")
 
     def __init__(self, token_ids: bytes, values: bytes, ranks: bytes, ranked: bool, token_text: Sequence[str],
                  num_empty: int = 0) -> None:
         self._packed = (token_ids, values, ranks)  # int32 [num, k], float32 [num, k], int32 [num]
-        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # unpacked on first read
         self._num = len(ranks) // 4
         self._ranked = ranked
         self._text = token_text  # token id -> decoded text
@@ -66,16 +65,18 @@ class Logprobs(Sequence):
             entry = self._built[row] = self._build(row)
         return entry
 
+    def __iter__(self):
+        for i in range(len(self)):  # Sequence's own __iter__ ends on an IndexError, which costs a raise
+            yield self[i]
+
     def _build(self, row: int) -> dict[int, Logprob]:
-        if self._arrays is None:
-            ids, values, ranks = self._packed
-            n = self._num
-            self._arrays = (np.frombuffer(ids, "<i4").reshape(n, -1), np.frombuffer(values, "<f4").reshape(n, -1),
-                            np.frombuffer(ranks, "<i4"))
-        ids, values, ranks = self._arrays
-        ids, values, text, ranked = ids[row].tolist(), values[row].tolist(), self._text, self._ranked
+        # One row straight from the wire bytes: struct unpacks a few values faster than numpy views do.
+        ids, values, ranks = self._packed
+        ints, floats = _row_structs(len(ids) // len(ranks))  # k columns: ids hold num * k int32s
+        ids, values = ints.unpack_from(ids, row * ints.size), floats.unpack_from(values, row * floats.size)
+        text, ranked = self._text, self._ranked
         entry = {t: Logprob(v, r if ranked else None, text[t]) for r, (t, v) in enumerate(zip(ids[1:], values[1:]), 1)}
-        scored, rank = ids[0], int(ranks[row])
+        scored, rank = ids[0], _I32.unpack_from(ranks, row * 4)[0]
         if scored in entry:
             entry[scored].rank = rank
         else:
@@ -91,6 +92,15 @@ class Logprobs(Sequence):
 
     def __repr__(self) -> str:
         return f"Logprobs({list(self)!r})"
+
+
+_I32 = struct.Struct("<i")
+
+
+@functools.cache
+def _row_structs(k: int) -> tuple[struct.Struct, struct.Struct]:
+    """Little-endian int32 and float32 rows of k columns."""
+    return struct.Struct(f"<{k}i"), struct.Struct(f"<{k}f")
 
 
 # One dict per generated position: token id -> Logprob (a Logprobs, or a plain list).
