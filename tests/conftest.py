@@ -14,10 +14,11 @@ if not torch.cuda.is_available():
 import functools
 
 import pytest
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headrace import LLM
 from headrace.testing import make_checkpoint
+from tests.cores import assert_core_idle
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 # Per-arch shapes that exercise GQA, explicit head_dim, tied embeddings and q/k/v bias.
@@ -74,6 +75,20 @@ def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0].float()
     return logits.log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def tok(path):
+    """transformers' tokenizer of the module's checkpoint (its `path` fixture)."""
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture
+def core_idle_after(server):
+    """After the test, the core of the module's `headrace serve` (its `server` fixture) holds no
+    request and every KV block is free."""
+    yield
+    assert_core_idle(server.core_address)
 
 
 @pytest.fixture(autouse=True)

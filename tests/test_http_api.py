@@ -11,12 +11,12 @@ import urllib.request
 import openai
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from headrace import LLM, SamplingParams
 from tests.conftest import hf_greedy, hf_logprobs
-from tests.cores import assert_core_idle
 from tests.servers import Serve
+
+pytestmark = pytest.mark.usefixtures("core_idle_after")  # (tests/conftest.py)
 
 PROMPTS = ["The river is low today.", "今天天气很好，我们去河边散步吧。", "def f(x):\n    return x", "Emoji 👍🏽 and"]
 CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Where does the river go?"}]
@@ -43,18 +43,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def model_name(client):
     return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def tok(path):
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-@pytest.fixture(autouse=True)
-def core_idle_after(server):
-    """After every test the core holds no request and every KV block is free."""
-    yield
-    assert_core_idle(server.core_address)
 
 
 def chat_ids(tok, messages) -> list[int]:

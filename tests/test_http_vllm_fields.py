@@ -8,12 +8,12 @@ import asyncio
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from headrace import AsyncEngine, SamplingParams
 from tests.conftest import hf_greedy, hf_logprobs
-from tests.cores import assert_core_idle
 from tests.servers import Serve
+
+pytestmark = pytest.mark.usefixtures("core_idle_after")  # (tests/conftest.py)
 
 PROMPT = "The river is low today, and the boats wait at the quay for the rain to come."
 CHAT = [{"role": "user", "content": "Where does the river go?"}]
@@ -35,18 +35,6 @@ def server(path):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def tok(path):
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-@pytest.fixture(autouse=True)
-def core_idle_after(server):
-    """After every test the core holds no request and every KV block is free."""
-    yield
-    assert_core_idle(server.core_address)
 
 
 def chat_ids(tok) -> list[int]:

@@ -9,7 +9,6 @@ stream's generator is closed, which aborts through AsyncEngine.outputs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import time
@@ -391,41 +390,44 @@ class OpenAIServer:
         params = state.params
         num_prompt = len(prompt.ids)
         generated = [0] * params.n  # choice index -> tokens so far
-        async with contextlib.aclosing(self._merged([state])) as outs:
-            # The role first, for every choice, before any token: the client sees the stream open at once.
-            # With continuous usage the role chunks wait for the first output, whose cached count their usage holds.
-            first = await anext(outs, None) if req.continuous_usage else None
-            cached = (first[1].num_cached_tokens or 0) if first is not None else 0
-            opening = {}
-            if req.continuous_usage:
-                opening["usage"] = R.usage(num_prompt, 0, cached)
+        cached = 0
+
+        def opening() -> list[bytes]:  # the role, one chunk for every choice
+            extra = {"usage": R.usage(num_prompt, 0, cached)} if req.continuous_usage else {}
             if req.return_token_ids:
-                opening["prompt_token_ids"] = prompt.ids
-            yield b"".join(_event(env.body("chat.completion.chunk", [
+                extra["prompt_token_ids"] = prompt.ids
+            return [_event(env.body("chat.completion.chunk", [
                 {"index": j, "delta": {"role": "assistant", "content": prefix}, "logprobs": None, "finish_reason": None}
-            ], **opening)) for j in range(params.n))
-            prompt_logprobs_sent = False
-            async for _, out in _chain(first, outs):
-                cached = out.num_cached_tokens or 0
-                events = []
-                for c in out.outputs:
-                    generated[c.index] += len(c.token_ids)
-                    lp = self._chat_logprobs(req, params, c) if req.logprobs else None
-                    choice = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
-                              "finish_reason": c.finish_reason}
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                    if req.return_token_ids:
-                        choice["token_ids"] = list(c.token_ids)
-                    extra = {}
-                    if req.continuous_usage:
-                        extra["usage"] = R.usage(num_prompt, generated[c.index], cached)
-                    if out.prompt_logprobs is not None and not prompt_logprobs_sent:  # once, as in a whole response
-                        extra["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
-                        prompt_logprobs_sent = True
-                    events.append(_event(env.body("chat.completion.chunk", [choice], **extra)))
-                if events:
-                    yield b"".join(events)
+            ], **extra)) for j in range(params.n)]
+
+        # The role first, before any token: the client sees the stream open at once. With continuous
+        # usage it goes with the first output instead, whose cached count the role chunks' usage holds.
+        opened = not req.continuous_usage
+        if opened:
+            yield b"".join(opening())
+        prompt_logprobs_sent = False
+        async for _, out in self._merged([state]):
+            cached = out.num_cached_tokens or 0
+            events = [] if opened else opening()
+            opened = True
+            for c in out.outputs:
+                generated[c.index] += len(c.token_ids)
+                lp = self._chat_logprobs(req, params, c) if req.logprobs else None
+                choice = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                          "finish_reason": c.finish_reason}
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                if req.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                extra = {}
+                if req.continuous_usage:
+                    extra["usage"] = R.usage(num_prompt, generated[c.index], cached)
+                if out.prompt_logprobs is not None and not prompt_logprobs_sent:  # once, as in a whole response
+                    extra["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
+                    prompt_logprobs_sent = True
+                events.append(_event(env.body("chat.completion.chunk", [choice], **extra)))
+            if events:
+                yield b"".join(events)
         if req.include_usage:
             yield _event(env.body("chat.completion.chunk", [], usage=R.usage(num_prompt, sum(generated), cached)))
 
@@ -524,14 +526,6 @@ async def _body(request: Request) -> bytes:
             raise APIError(f"the request body exceeds {MAX_BODY_BYTES} bytes", 413)
         parts.append(chunk)
     return b"".join(parts)
-
-
-async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
-    """first (unless None), then what rest yields."""
-    if first is not None:
-        yield first
-    async for item in rest:
-        yield item
 
 
 def _join(a: dict | None, b: dict) -> dict:

@@ -120,10 +120,7 @@ class _Core:
         self.url_file = url_file
 
     def wait_ready(self) -> None:
-        url = self.core.metrics_url()  # waits for the model
-        part = self.url_file.with_suffix(".part")
-        part.write_text(url)
-        part.rename(self.url_file)  # the API servers' /metrics read it
+        _write_whole(self.url_file, self.core.metrics_url())  # waits for the model; the API servers' /metrics read it
 
     def alive(self) -> bool:
         return self.core.alive()
@@ -190,8 +187,7 @@ def serve(args: argparse.Namespace, engine_args) -> int:
     except KeyboardInterrupt:
         print("headrace serve: interrupted during start-up", file=sys.stderr, flush=True)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):  # from here a signal only shortens the drain
-            signal.signal(sig, lambda num, _: signals.append(num))
+        _record_signals(signals)  # from here a signal only shortens the drain
         _drain(api, args.shutdown_timeout, signals)
         for child in api + cores:  # the API servers first: they say goodbye to the cores
             child.stop()
@@ -204,8 +200,7 @@ def serve(args: argparse.Namespace, engine_args) -> int:
 
 def _supervise(children: list[_Child], args: argparse.Namespace, run_dir: Path, signals: list[int]) -> int:
     """Restart what dies until a signal (0) or the restart budget runs out (1)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda num, _: signals.append(num))
+    _record_signals(signals)
     recent: deque[float] = deque()  # when each restart within the window began
     counts = {"core": 0, "api_server": 0}
     _write_counts(run_dir, counts)
@@ -248,7 +243,18 @@ def _drain(api: list[_Child], timeout: float, signals: list[int]) -> None:
         time.sleep(0.05)
 
 
+def _record_signals(signals: list[int]) -> None:
+    """From now on SIGTERM and SIGINT are appended to signals."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda num, _: signals.append(num))
+
+
 def _write_counts(run_dir: Path, counts: dict[str, int]) -> None:
-    part = run_dir / "restarts.part"
-    part.write_text(json.dumps(counts))
-    part.rename(run_dir / "restarts.json")
+    _write_whole(run_dir / "restarts.json", json.dumps(counts))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write path so that a reader sees the old file or the new one, never a part."""
+    part = path.with_suffix(".part")
+    part.write_text(text)
+    part.rename(path)
