@@ -44,3 +44,15 @@ def cpu_threads() -> int:
 def api_key() -> str | None:
     """HEADRACE_API_KEY: the bearer token `headrace serve` requires on /v1/* (default: none)."""
     return os.environ.get("HEADRACE_API_KEY") or None
+
+
+def fused_projections() -> bool:
+    """HEADRACE_FUSED_PROJECTIONS: "0" runs a few-row step's float projections through
+    cuBLAS with their norms and activation as separate kernels (default 1: kernels/dense.py)."""
+    return os.environ.get("HEADRACE_FUSED_PROJECTIONS", "1") != "0"
+
+
+def pdl() -> bool:
+    """HEADRACE_PDL: "0" launches the Triton kernels without programmatic dependent
+    launch (default 1: on a GPU that has it, compute capability 9.0 and up)."""
+    return os.environ.get("HEADRACE_PDL", "1") != "0"

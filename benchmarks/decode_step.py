@@ -94,10 +94,11 @@ def main() -> None:
             timeline = StepTimeline(core)
             rng = random.Random(0)
             # Requests whose prefill ends early decode while the others prefill:
-            # leave them room (64 tokens) so that every row is still running,
-            # and decoding near `context`, in the timed steps.
-            prompt_len = context - 64
-            sp = SamplingParams(temperature=0.6, max_tokens=64, ignore_eos=True)
+            # leave them room (at least 64 tokens, and every timed or profiled step) so that every
+            # row is still running, and decoding near `context`, in the timed steps.
+            room = max(64, (4 if args.profile else 2) * args.steps + 16)
+            prompt_len = context - room
+            sp = SamplingParams(temperature=0.6, max_tokens=room, ignore_eos=True)
             for i in range(batch):
                 core.add_request(str(i), [rng.randrange(3, 10000) for _ in range(prompt_len)], sp, time.time())
             while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens

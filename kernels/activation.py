@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
 from headrace.kernels.norm import cast_rtne
 
 
@@ -32,7 +33,9 @@ def _silu_and_mul_kernel(
     out_ptr, out_stride,
     d,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -53,7 +56,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> new
             x, x.stride(0),
             out, out.stride(0),
             d,
-            BLOCK=_BLOCK,
-            num_warps=4,
+            BLOCK=_BLOCK, PDL=pdl(x.device),
+            num_warps=4, **pdl_launch(x.device),
         )
     return out

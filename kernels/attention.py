@@ -121,7 +121,7 @@ def paged_attention_torch(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from headrace.kernels.device import num_sms  # noqa: E402
+from headrace.kernels.device import num_sms, pdl, pdl_launch, wait_for_previous  # noqa: E402
 from headrace.kernels.norm import cast_rtne  # noqa: E402
 
 _LOG2E = 1.4426950408889634
@@ -206,11 +206,13 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SKIP_SINGLE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (query block, KV head). Query blocks are numbered flat
     over the batch: request i's blocks start at query_start_loc[i] // BLOCK_Q + i,
     so num_tokens // BLOCK_Q + num_reqs programs cover any batch. With
     SKIP_SINGLE, single-query rows are left to _paged_decode_kernel."""
+    wait_for_previous(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD  # query tokens per tile
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, tl.program_id(0), num_reqs, BLOCK_Q)
@@ -264,12 +266,14 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (request, KV head, split) for single-query rows: the
     group's query heads are the tile's rows (padded to GROUP_M >= 16 for
     tl.dot). Split s visits its own run of whole key tiles; with SPLIT the
     unnormalised (max, sum, acc) go to the partial buffers for
     _paged_decode_reduce_kernel, without it the output is written directly."""
+    wait_for_previous(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -319,10 +323,12 @@ def _paged_decode_reduce_kernel(
     query_start_loc_ptr,
     num_heads, head_dim, num_splits,
     SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (request, query head): rescale each split's partial
     sums to the common max and normalise. Split 0 always holds key 0, so the
     common max is a real score and empty splits weigh exp2(_NEG - max) = 0."""
+    wait_for_previous(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -384,6 +390,7 @@ def paged_attention(
         # fp32 dots stay fp32 (no tf32), so fp32 runs match the reference closely.
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         UPCAST_DOT=q.device.type != "cuda",  # off the GPU kernels run in the interpreter
+        PDL=pdl(q.device), **pdl_launch(q.device),
     )
     qk_scale = scale * _LOG2E
 
@@ -436,6 +443,7 @@ def paged_attention(
             part_m, part_l, part_acc,
             query_start_loc,
             num_heads, head_dim, num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl(q.device),
+            **pdl_launch(q.device),
         )
     return out

@@ -4,6 +4,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
+
+from headrace import envs
 
 
 @functools.cache
@@ -13,3 +17,26 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132
+
+
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on device launch with programmatic dependent launch: the
+    next kernel is started while this one ends, and waits (gdc_wait) before it
+    reads or writes memory. Hopper and later, unless HEADRACE_PDL=0."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and envs.pdl()
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch options of a kernel that starts with wait_for_previous: launch_pdl where pdl() holds."""
+    return {"launch_pdl": True} if pdl(device) else {}
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL: pdl() held at launch), wait until the
+    kernel before has finished and its writes are visible, then let the next kernel
+    start its launch. A kernel calls this before it reads or writes any memory."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import num_sms
+from headrace.kernels.device import num_sms, pdl, pdl_launch, wait_for_previous
 from headrace.kernels.splitk import counters_for, sum_splits
 
 FP8 = torch.float8_e4m3fn
@@ -106,7 +106,8 @@ def _e4m3_bits_to_float(b):
 def _fp8_few_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                          stride_xm, DOT: tl.constexpr, NATIVE: tl.constexpr, HAS_BIAS: tl.constexpr,
                          SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,7 +182,8 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         x, weight.view(torch.uint8), weight_scale, bias if bias is not None else weight_scale, out, part, counts,
         m, n, k, per_split * block_k, x.stride(0), DOT=m > 1, NATIVE=x.is_cuda, HAS_BIAS=bias is not None,
         SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=max(16, triton.next_power_of_2(m)) if m > 1 else 1,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(x.device), num_warps=warps, num_stages=stages,
+        **pdl_launch(x.device))
     return out
 
 

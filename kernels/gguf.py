@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import num_sms
+from headrace.kernels.device import num_sms, pdl, pdl_launch, wait_for_previous
 from headrace.kernels.splitk import counters_for, sum_splits
 
 _Q8_0, _Q4_0, _Q4_1, _Q4_K, _Q6_K = (tl.constexpr(i) for i in range(5))
@@ -298,7 +298,8 @@ def _gguf_gemv_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, p
                       stride_xm, stride_qs,
                       stride_qh, stride_d, stride_sc, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr,
                       BN: tl.constexpr, NU: tl.constexpr, EVEN_K: tl.constexpr, X_ONCE: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     num_rows = tl.num_programs(2)
     n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
@@ -338,7 +339,8 @@ def _gguf_mm_kernel(x_ptr, qs_ptr, d_ptr, sc_ptr, qh_ptr, bias_ptr, out_ptr, par
                     stride_xm, stride_qs,
                     stride_qh, stride_d, stride_sc, tiles_per_split, FMT: tl.constexpr, HI: tl.constexpr,
                     BN: tl.constexpr, BM: tl.constexpr, NU: tl.constexpr, PRECISION: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM).to(tl.int64)  # rows of x
     n = pid_n * BN + tl.arange(0, BN).to(tl.int64)
@@ -443,7 +445,8 @@ def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Con
     args = (x, *fields, p.d if bias is None else bias, out, part, counts)
     strides = (x.stride(0), *field_strides, tiles_per_split)
     common = dict(FMT=fmt.code, HI=fmt.hi, BN=cfg.block_n, NU=units, EVEN_K=k // (2 * width) % units == 0,
-                  HAS_BIAS=bias is not None, SPLIT=split_k > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  HAS_BIAS=bias is not None, SPLIT=split_k > 1, PDL=pdl(x.device), num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, **pdl_launch(x.device))
     if cfg.gemv:
         _gguf_gemv_kernel[(triton.cdiv(n, cfg.block_n), split_k, m)](*args, n, k, *strides, X_ONCE=cfg.x_once,
                                                                      **common)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
+
 
 def rms_norm_ref(
     x: torch.Tensor,  # [num_tokens, hidden] or [num_tokens, num_heads, hidden]
@@ -61,7 +63,9 @@ def _rms_norm_kernel(
     num_inner, hidden, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer = row // num_inner
     inner = row % num_inner
@@ -123,7 +127,7 @@ def rms_norm(
             out,
             num_inner, hidden, eps,
             HAS_RESIDUAL=residual is not None,
-            BLOCK=block,
-            num_warps=min(max(block // 256, 1), 16),
+            BLOCK=block, PDL=pdl(x.device),
+            num_warps=min(max(block // 256, 1), 16), **pdl_launch(x.device),
         )
     return out if residual is None else (out, residual)

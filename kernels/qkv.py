@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
 from headrace.kernels.attention import write_kv_ref
 from headrace.kernels.norm import cast_rtne, rms_norm_ref
 from headrace.kernels.rotary import rotary_ref
@@ -72,7 +73,9 @@ def _rope_and_cache_kernel(
     slot_mapping_ptr,
     num_heads, num_kv_heads, head_dim,
     NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     half = head_dim // 2
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -147,6 +150,6 @@ def rope_and_cache(
         slot_mapping,
         num_heads, num_kv_heads, head_dim,
         NORM=q_weight is not None, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=4,
+        PDL=pdl(qkv.device), num_warps=4, **pdl_launch(qkv.device),
     )
     return q

@@ -26,7 +26,7 @@ ALLOWED = {
     "sampling_params": set(),
     "config": {"checkpoint"},
     "step": {"sampling_params"},
-    "kernels": set(),
+    "kernels": {"envs"},
     "executor": {"kernels", "checkpoint", "config", "sampling_params", "step", "envs"},
     "core": {"executor", "checkpoint", "config", "sampling_params", "step", "metrics", "envs", "lifetime"},
     "frontend": {"core", "checkpoint", "config", "sampling_params", "metrics", "envs", "lifetime"},

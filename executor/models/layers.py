@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from headrace.checkpoint.config import RopeConfig
-from headrace.kernels import dispatch
+from headrace.kernels import dense, dispatch
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +25,37 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
     return dispatch.silu_and_mul(x)
+
+
+def fuse_few_rows(linear: nn.Linear) -> None:
+    """Let project() run linear's few-row calls on a GPU through kernels/dense.py:
+    the layer gets that kernel's split-K counters."""
+    counts = torch.zeros(dense.split_k_tiles(linear.out_features), dtype=torch.int32, device=linear.weight.device)
+    linear.register_buffer("splitk_counts", counts, persistent=False)
+
+
+def project(
+    linear: nn.Module,
+    x: torch.Tensor,  # [num_tokens, in_features]
+    norm: RMSNorm | None = None,
+    residual: torch.Tensor | None = None,  # with norm: x + residual is normalised (None: x alone)
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(linear(norm(x + residual)), then silu_and_mul if gated; the next residual:
+    x + residual, x without one, None without norm). A few rows through a float
+    layer that fuse_few_rows prepared, on a GPU, take one launch for all of it
+    (kernels/dense.py); otherwise the steps run one by one."""
+    counts = getattr(linear, "splitk_counts", None)
+    if (counts is not None and x.is_cuda and 0 < x.shape[0] <= dense.FEW_ROWS and x.dtype == linear.weight.dtype
+            and (norm is None or norm.weight.dtype == x.dtype)):
+        return dense.dense_linear(x, linear.weight, linear.bias, None if norm is None else (norm.weight, norm.eps),
+                                  residual, gated, counts)
+    if norm is not None and residual is None:
+        residual, x = x, norm(x)
+    elif norm is not None:
+        x, residual = norm(x, residual)
+    y = linear(x)
+    return (silu_and_mul(y) if gated else y), residual
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] float32

@@ -11,7 +11,8 @@ from torch import nn
 
 from headrace.checkpoint.config import ModelConfig
 from headrace.executor.attention import Attention, AttentionMetadata
-from headrace.executor.models.layers import RMSNorm, rope_cos_sin, silu_and_mul
+from headrace import envs
+from headrace.executor.models.layers import RMSNorm, fuse_few_rows, project, rope_cos_sin
 from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows
 from headrace.kernels import dispatch
 
@@ -20,7 +21,10 @@ def _linear(in_features: int, out_features: int, bias: bool, meta: bool) -> nn.L
     """nn.Linear; with meta, its weight on the meta device (never allocated:
     the loader replaces the layer by its quantized form) and its bias real."""
     if not meta:
-        return nn.Linear(in_features, out_features, bias=bias)
+        layer = nn.Linear(in_features, out_features, bias=bias)
+        if envs.fused_projections():
+            fuse_few_rows(layer)
+        return layer
     layer = nn.Linear(in_features, out_features, bias=False, device="meta")
     if bias:
         layer.bias = nn.Parameter(torch.empty(out_features))  # [out] loaded as usual
@@ -44,14 +48,17 @@ class DecoderAttention(nn.Module):
         self.cos_sin = cos_sin
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention's output on norm(x + residual), and the next residual (project())."""
+        qkv, residual = project(self.qkv_proj, x, norm, residual)  # [num_tokens, q_size + 2 * kv_size]
         qk_norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
                                                                  self.q_norm.eps)
         # q, k per-head normed (Qwen3) and rotated; k and v into the cache; q back
         q = dispatch.rope_and_cache(qkv, positions, self.cos_sin, *qk_norm, self.attn.kv_cache, meta.slot_mapping,
                                     self.num_heads)
-        return self.tp.all_reduce(self.o_proj(self.attn(q, meta).view(-1, self.q_size)))
+        out, _ = project(self.o_proj, self.attn(q, meta).view(-1, self.q_size))
+        return self.tp.all_reduce(out), residual
 
 
 class MLP(nn.Module):
@@ -62,8 +69,11 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(cfg.hidden_size, 2 * self.intermediate_size, cfg.mlp_bias, meta)
         self.down_proj = _linear(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, meta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's output on norm(x + residual), and the next residual (project())."""
+        act, residual = project(self.gate_up_proj, x, norm, residual, gated=True)
+        out, _ = project(self.down_proj, act)
+        return self.tp.all_reduce(out), residual
 
 
 class DecoderLayer(nn.Module):
@@ -75,13 +85,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp, meta)
 
     def forward(self, positions, x, residual, meta):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.self_attn(positions, x, residual, self.input_layernorm, meta)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):

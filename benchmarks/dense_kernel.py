@@ -1,0 +1,96 @@
+"""dense_linear (kernels/dense.py) on decoder projection shapes, against its floor and cuBLAS.
+
+    python3 benchmarks/dense_kernel.py [--ms 1,2,4,8,16,32] [--model 0.6b|8b|both] [--sweep]
+
+For each projection of the Qwen3-0.6B (and Qwen3-8B) shape, bf16, M rows:
+microseconds per call, timed as CUDA-graph replays cycling through enough weight
+copies that none stays in L2, of
+- the kernel with what the decoder folds into that projection: q|k|v and gate|up
+  with the RMSNorm and residual add before (gate|up also with SiLU-and-multiply
+  after), o and down alone;
+- the same steps as separate kernels: the Triton RMSNorm, cuBLAS (F.linear), the
+  Triton SiLU-and-multiply;
+- cuBLAS alone.
+The floor is the weight bytes at the copy bandwidth measured in this run.
+--sweep times the kernel's candidate configs at 1 and 8 rows.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+from benchmarks_common import graph_call_us, measure_ceilings
+
+from headrace.kernels.activation import silu_and_mul
+from headrace.kernels.dense import DOT_CONFIG, FEW_ROWS, ROW_CONFIG, dense_linear, split_k_tiles
+from headrace.kernels.norm import rms_norm
+
+L2_BYTES = 50 * 2**20
+# (name, N, K, fused norm, gated): N counts the weight's rows
+SHAPES = {
+    "0.6b": [("qkv", 4096, 1024, True, False), ("o", 1024, 2048, False, False),
+             ("gate_up", 6144, 1024, True, True), ("down", 1024, 3072, False, False)],
+    "8b": [("qkv", 6144, 4096, True, False), ("o", 4096, 4096, False, False),
+           ("gate_up", 24576, 4096, True, True), ("down", 4096, 12288, False, False)],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ms", default="1,2,4,8,16,32")
+    parser.add_argument("--model", default="both", choices=["0.6b", "8b", "both"])
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    bw, _ = measure_ceilings(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; kernel up to {FEW_ROWS} rows in the model, "
+          f"configs {ROW_CONFIG} (one row), {DOT_CONFIG}")
+    print(f"{'shape':>16} {'M':>3} {'fused us':>9} {'floor us':>9} {'x floor':>8} {'unfused us':>11} "
+          f"{'cuBLAS us':>10}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    models = ["0.6b", "8b"] if args.model == "both" else [args.model]
+    for name, n, k, norm, gated in (s for m in models for s in SHAPES[m]):
+        count = max(2, -(-2 * L2_BYTES // (2 * n * k)))
+        weights = [((torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16(),
+                    torch.zeros(split_k_tiles(n), dtype=torch.int32, device="cuda")) for _ in range(count)]
+        nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        floor = 2 * n * k / bw * 1e6
+        for m in map(int, args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            res = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            normed = (nw, 1e-6) if norm else None
+            resid = res if norm else None
+
+            def fused(w, c, cfg=None):
+                return lambda: dense_linear(x, w, None, normed, resid, gated, c, cfg)
+
+            def unfused(w, c):
+                def call():
+                    h = rms_norm(x, nw, 1e-6, res)[0] if norm else x
+                    y = F.linear(h, w)
+                    return silu_and_mul(y) if gated else y
+                return call
+
+            ours = graph_call_us([fused(*w) for w in weights])
+            steps = graph_call_us([unfused(*w) for w in weights])
+            cublas = graph_call_us([(lambda w=w: F.linear(x, w)) for w, _ in weights])
+            print(f"{name + ' ' + str(n) + 'x' + str(k):>16} {m:>3} {ours:9.1f} {floor:9.1f} {ours / floor:8.2f} "
+                  f"{steps:11.1f} {cublas:10.1f}")
+            if args.sweep and m in (1, 8):
+                results = []
+                for cfg in itertools.product((4, 8, 16) if m == 1 else (16, 32, 64),
+                                             (256, 512, 1024) if m == 1 else (64, 128, 256), (4,), (1, 3)):
+                    try:
+                        us = graph_call_us([fused(*w, cfg) for w in weights])
+                    except Exception as e:  # a config that does not compile or fit
+                        print(f"    {cfg}: {type(e).__name__}")
+                        continue
+                    results.append((us, cfg))
+                print("    best configs: " + ", ".join(f"{cfg} {us:.1f}" for us, cfg in sorted(results)[:4]))
+        del weights
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

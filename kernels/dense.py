@@ -1,0 +1,199 @@
+"""Few-row projections on float weights, with their neighbours folded in: torch reference and Triton kernel.
+
+At decode sizes a projection reads its whole weight for a few rows of
+arithmetic, and the kernels beside it (the RMSNorm before q|k|v and gate|up,
+SiLU-and-multiply after gate|up) each cost a launch and a round trip of the
+activations. dense_linear does the projection in one launch with them inside:
+- norm: the input is RMSNorm(x + residual), rounded as kernels/norm.py rounds;
+  each program finds the rows' rstd in a first pass, then normalises its own
+  slice of K as it loads it. The sum x + residual is written once, as the next
+  residual, into a new tensor (residual itself is never written).
+- gated: the weight is gate|up, [2 * d, K]; the output is silu(gate) * up,
+  [M, d], rounded as kernels/activation.py rounds.
+The reference is the model's own sequence of steps.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from headrace.kernels.activation import silu_and_mul_ref
+from headrace.kernels.device import num_sms, pdl, pdl_launch, wait_for_previous
+from headrace.kernels.norm import cast_rtne, rms_norm_ref
+from headrace.kernels.splitk import counters_for, sum_splits
+
+
+def dense_linear_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K], or gate|up [2 * d, K] when gated
+    bias: torch.Tensor | None,  # [N]
+    norm: tuple[torch.Tensor, float] | None = None,  # (RMSNorm weight [K], eps) applied to the input first
+    residual: torch.Tensor | None = None,  # [M, K]: normalise x + residual (norm only)
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the layer's output [M, N] or [M, d], the next residual: x + residual, x
+    without one, None without norm)."""
+    new_residual = None
+    if norm is not None:
+        if residual is None:
+            new_residual, x = x, rms_norm_ref(x, *norm)
+        else:
+            x, new_residual = rms_norm_ref(x, *norm, residual)
+    y = F.linear(x, weight, bias)
+    return (silu_and_mul_ref(y) if gated else y), new_residual
+
+
+# Triton: program (n tile, split) multiplies ROWS weight rows by its split's run
+# of K (kernels/splitk.py adds the splits). One row: FMAs in float32, summed
+# along K at each step; more rows: tl.dot, the rows padded to 16 or 32. Gated,
+# a tile's weight rows interleave gate and up (gate c, up c, gate c + 1, ...),
+# so a program holds both halves of its ROWS // 2 output columns.
+@triton.jit
+def _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, mask, K, WRITE_RES,
+            HAS_RES: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] at (offs_m, offs_k) -> RMSNorm(x + residual) there, in x's dtype."""
+    dtype = x.dtype
+    if HAS_RES:
+        r = tl.load(res_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+        x = cast_rtne(x.to(tl.float32) + r.to(tl.float32), dtype)
+        if WRITE_RES:
+            tl.store(new_res_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=mask)
+    nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    return cast_rtne(nw[None, :] * cast_rtne(x.to(tl.float32) * rstd[:, None], dtype).to(tl.float32), dtype)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+                  M, N, K, k_per_split, stride_xm,
+                  NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  DOT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                  BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    wait_for_previous(PDL)
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    dtype = x_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    r = tl.arange(0, ROWS)
+    if GATED:  # N is d; output column and weight row of each tile row
+        col = pid_n * (ROWS // 2) + r // 2
+        w_row = col + (r % 2) * N
+    else:
+        col = pid_n * ROWS + r
+        w_row = col
+    mask_r = col < N
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:  # the rows' sum of squares over all of K
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, NORM_BLOCK):
+            offs_k = k0 + tl.arange(0, NORM_BLOCK)
+            mask = mask_m[:, None] & (offs_k < K)[None, :]
+            s = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+            if HAS_RES:
+                res = tl.load(res_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+                s = cast_rtne(s.to(tl.float32) + res.to(tl.float32), dtype)
+            s = s.to(tl.float32)
+            ss += tl.sum(s * s, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    acc = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_k = offs_k < k_end
+        x_mask = mask_m[:, None] & in_k[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+        if NORM:
+            x = _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, x_mask, K, pid_n == 0, HAS_RES)
+        w_ptrs = w_ptr + w_row[:, None].to(tl.int64) * K + offs_k[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_r[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=mask_r[:, None] & in_k[None, :], other=0.0)
+        if DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee" if x.dtype == tl.float32 else None)
+        else:  # one row
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    width = 2 * N if GATED else N  # of the float32 partials, gated columns interleaved as the rows are
+    offs_p = offs_m[:, None] * width + (pid_n * ROWS + r)[None, :]
+    mask_p = mask_m[:, None] & mask_r[None, :]
+    last = True
+    if SPLIT:
+        acc, last = sum_splits(acc, part_ptr, count_ptr, pid_n, split, tl.num_programs(1), M * width, offs_p, mask_p)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + w_row, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+        y = cast_rtne(acc, dtype)  # the projection's output, in the model dtype
+        if GATED:
+            gate, up = tl.split(tl.reshape(y.to(tl.float32), [BLOCK_M, ROWS // 2, 2]))
+            act = cast_rtne(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+            cols = pid_n * (ROWS // 2) + tl.arange(0, ROWS // 2)
+            tl.store(out_ptr + offs_m[:, None] * N + cols[None, :], cast_rtne(act * up, dtype),
+                     mask=mask_m[:, None] & (cols < N)[None, :])
+        else:
+            tl.store(out_ptr + offs_m[:, None] * N + col[None, :], y, mask=mask_p)
+
+
+# Up to FEW_ROWS rows the model runs the kernel; more go to cuBLAS (after a
+# separate norm and before a separate activation). On an H100 the kernel beat
+# norm + cuBLAS + SiLU at one row on every Qwen3-0.6B projection, but with the
+# norm folded in it took twice their time at 2 to 16 rows (benchmarks/dense_kernel.py).
+# (ROWS, BLOCK_K, num_warps, num_stages) for one row (FMA) and for more rows (tl.dot).
+FEW_ROWS, _MAX_ROWS = 1, 32
+ROW_CONFIG, DOT_CONFIG = (8, 512, 4, 1), (32, 256, 4, 3)
+PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
+_NORM_ELEMENTS = 4096  # per program and pass of the norm's first pass (registers: 32 a thread at 4 warps)
+
+
+def split_k_tiles(n: int) -> int:
+    """Output tiles of the kernel on n weight rows, at most (its split-K counters)."""
+    return triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0]))
+
+
+def dense_linear(
+    x: torch.Tensor,  # [M, K], rows contiguous
+    weight: torch.Tensor,  # [N, K] contiguous, x's dtype
+    bias: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float] | None = None,  # weight [K] in x's dtype, eps
+    residual: torch.Tensor | None = None,  # [M, K] contiguous
+    gated: bool = False,
+    counts: torch.Tensor | None = None,  # split-K counters (kernels/splitk.py), zero between calls
+    config: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dense_linear_ref in one launch, for 1 to 32 rows."""
+    m, k = x.shape
+    rows = weight.shape[0]
+    if not 0 < m <= _MAX_ROWS:
+        raise ValueError(f"dense_linear takes 1 to {_MAX_ROWS} rows, got {m}")
+    assert weight.shape[1] == k and weight.is_contiguous() and x.stride(1) == 1 and weight.dtype == x.dtype
+    assert not gated or rows % 2 == 0
+    n = rows // 2 if gated else rows
+    block_rows, block_k, warps, stages = config or (DOT_CONFIG if m > 1 else ROW_CONFIG)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_m = max(16, triton.next_power_of_2(m)) if m > 1 else 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_residual = None
+    if norm is not None:
+        assert norm[0].shape == (k,) and norm[0].dtype == x.dtype
+        if residual is None:
+            new_residual = x
+        else:
+            assert residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype
+            new_residual = torch.empty_like(residual)
+    tiles, slices = triton.cdiv(rows, block_rows), triton.cdiv(k, block_k)
+    per_split = triton.cdiv(slices, min(slices, triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), tiles)))
+    splits = triton.cdiv(slices, per_split)
+    part = torch.empty((splits, m, rows), dtype=torch.float32, device=x.device) if splits > 1 else out
+    counts = counters_for(counts, tiles, x.device) if splits > 1 else out
+    _dense_kernel[(tiles, splits)](
+        x, residual if residual is not None else x, new_residual if residual is not None else x,
+        norm[0] if norm is not None else x, norm[1] if norm is not None else 0.0,
+        weight, bias if bias is not None else x, out, part, counts,
+        m, n, k, per_split * block_k, x.stride(0),
+        NORM=norm is not None, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
+        DOT=m > 1, SPLIT=splits > 1, EVEN_K=k % block_k == 0, PDL=pdl(x.device),
+        BLOCK_M=block_m, ROWS=block_rows, BLOCK_K=block_k,
+        NORM_BLOCK=min(triton.next_power_of_2(k), max(16, _NORM_ELEMENTS // block_m)),
+        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
+    return out, new_residual

@@ -1,0 +1,90 @@
+"""The few-row float projection kernel (kernels/dense.py) against its torch reference, and the
+reference against the model's own steps (RMSNorm, nn.Linear, SiLU-and-multiply).
+
+Without a GPU the kernel runs under the Triton interpreter, whose tl.dot mishandles
+bfloat16: there the 16-bit dtype is float16, on a GPU both are tested. Tolerances are
+those of tests/test_layer_kernels.py: the kernel rounds where the model's steps round,
+so a 16-bit difference is a last-bit flip from a float32 sum taken in another order.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headrace.executor.models.layers import RMSNorm, silu_and_mul
+from headrace.kernels.dense import dense_linear, dense_linear_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+HALF = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+SPLIT = (8, 64, 4, 1)  # a small K block, so that K = 256 is split in four
+DOT_SPLIT = (16, 64, 4, 1)
+
+
+def _inputs(m, n_rows, k, dtype, seed, bias):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n_rows, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n_rows, generator=g).to(dtype) if bias else None
+    res = torch.randn(m, k, generator=g).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    return x, w, b, res, nw
+
+
+def _run(m, n_rows, k, dtype, norm, residual, gated, bias, config, seed=0):
+    x, w, b, res, nw = _inputs(m, n_rows, k, dtype, seed, bias)
+    norm_arg = (nw, 1e-6) if norm else None
+    res_arg = res if residual else None
+    want, want_res = dense_linear_ref(x, w, b, norm_arg, res_arg, gated)
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    got, got_res = dense_linear(dev(x), dev(w), dev(b), None if not norm else (dev(nw), 1e-6), dev(res_arg),
+                                gated, config=config)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+    if norm:  # the next residual is x + residual exactly, or x itself
+        assert torch.equal(got_res.cpu(), want_res)
+    else:
+        assert got_res is None
+    if residual:
+        torch.testing.assert_close(dev(res_arg).cpu(), res)  # the caller's residual is left as it was
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("norm,residual,gated", [(False, False, False), (True, False, False), (True, True, False),
+                                                 (True, True, True), (False, False, True)])
+@pytest.mark.parametrize("dtype", HALF)
+def test_dense_linear_16bit(m, norm, residual, gated, dtype, poisoned_empty):
+    _run(m, 96, 256, dtype, norm, residual, gated, bias=m == 3,
+         config=(SPLIT if m == 1 else DOT_SPLIT) if norm else None)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("gated", [False, True])
+def test_dense_linear_float32_split_and_ragged(m, gated, poisoned_empty):
+    """float32 (tl.dot in IEEE precision); K not a multiple of the block, rows not of the tile."""
+    _run(m, 2 * 21, 200, torch.float32, True, True, gated, bias=True,
+         config=SPLIT if m == 1 else DOT_SPLIT)
+
+
+def test_dense_linear_many_rows_refused():
+    x = torch.zeros(33, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="1 to 32 rows"):
+        dense_linear(x, torch.zeros(16, 64, device=DEVICE), None)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_dense_linear_ref_is_the_models_steps(residual):
+    """The reference against RMSNorm, nn.Linear and silu_and_mul, the modules the model runs."""
+    x, w, b, res, nw = _inputs(4, 64, 48, torch.float32, 7, True)
+    norm = RMSNorm(48, 1e-6)
+    norm.weight.data.copy_(nw)
+    linear = torch.nn.Linear(48, 64)
+    linear.weight.data.copy_(w)
+    linear.bias.data.copy_(b)
+    with torch.no_grad():
+        h, want_res = norm(x, res.clone()) if residual else (norm(x), x)
+        want = silu_and_mul(linear(h))
+        got, got_res = dense_linear_ref(x, w, b, (nw, 1e-6), res if residual else None, gated=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
