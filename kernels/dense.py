@@ -19,10 +19,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from headrace.kernels import splitk
 from headrace.kernels.activation import silu_and_mul_ref
-from headrace.kernels.device import num_sms, pdl, pdl_launch, wait_for_previous
+from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
 from headrace.kernels.norm import cast_rtne, rms_norm_ref
-from headrace.kernels.splitk import counters_for, sum_splits
+from headrace.kernels.splitk import sum_splits
 
 
 def dense_linear_ref(
@@ -181,16 +182,14 @@ def dense_linear(
         else:
             assert residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype
             new_residual = torch.empty_like(residual)
-    tiles, slices = triton.cdiv(rows, block_rows), triton.cdiv(k, block_k)
-    per_split = triton.cdiv(slices, min(slices, triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), tiles)))
-    splits = triton.cdiv(slices, per_split)
-    part = torch.empty((splits, m, rows), dtype=torch.float32, device=x.device) if splits > 1 else out
-    counts = counters_for(counts, tiles, x.device) if splits > 1 else out
+    tiles = triton.cdiv(rows, block_rows)
+    # the partials hold every weight row (gated: twice out's columns)
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (m, rows), out, counts, PROGRAMS_PER_SM)
     _dense_kernel[(tiles, splits)](
         x, residual if residual is not None else x, new_residual if residual is not None else x,
         norm[0] if norm is not None else x, norm[1] if norm is not None else 0.0,
         weight, bias if bias is not None else x, out, part, counts,
-        m, n, k, per_split * block_k, x.stride(0),
+        m, n, k, k_per_split, x.stride(0),
         NORM=norm is not None, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
         DOT=m > 1, SPLIT=splits > 1, EVEN_K=k % block_k == 0, PDL=pdl(x.device),
         BLOCK_M=block_m, ROWS=block_rows, BLOCK_K=block_k,

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import num_sms, pdl, pdl_launch, wait_for_previous
-from headrace.kernels.splitk import counters_for, sum_splits
+from headrace.kernels import splitk
+from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
+from headrace.kernels.splitk import sum_splits
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -172,15 +173,12 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     block_n, block_k, warps, stages = config or (DOT_CONFIG if m > 1 else ROW_CONFIG)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles, slices = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    per_split = triton.cdiv(slices, min(slices, triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), tiles)))
-    splits = triton.cdiv(slices, per_split)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    counts = counters_for(counts, tiles, x.device) if splits > 1 else out
+    tiles = triton.cdiv(n, block_n)
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (m, n), out, counts, PROGRAMS_PER_SM)
     # E4M3 passed as its bytes: the kernel reinterprets them (as the interpreter can too)
     _fp8_few_rows_kernel[(tiles, splits)](
         x, weight.view(torch.uint8), weight_scale, bias if bias is not None else weight_scale, out, part, counts,
-        m, n, k, per_split * block_k, x.stride(0), DOT=m > 1, NATIVE=x.is_cuda, HAS_BIAS=bias is not None,
+        m, n, k, k_per_split, x.stride(0), DOT=m > 1, NATIVE=x.is_cuda, HAS_BIAS=bias is not None,
         SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=max(16, triton.next_power_of_2(m)) if m > 1 else 1,
         BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(x.device), num_warps=warps, num_stages=stages,
         **pdl_launch(x.device))

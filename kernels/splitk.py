@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from headrace.kernels.device import num_sms
+
 
 def counters(tiles: int, device: torch.device | str) -> torch.Tensor:
     """Zeroed counts for a kernel of up to `tiles` output tiles."""
@@ -38,3 +40,17 @@ def sum_splits(acc, part_ptr, count_ptr, tile, split, num_splits, split_stride, 
             total += tl.load(part_ptr + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(count_ptr + tile, 0)
     return total, last
+
+
+def plan(tiles: int, k: int, block_k: int, shape: tuple[int, int], out: torch.Tensor, counts: torch.Tensor | None,
+         programs_per_sm: int = 2) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """Split K so that tiles x splits programs fill about programs_per_sm a
+    multiprocessor: (K elements a split, splits, the float32 partials [splits,
+    *shape], the counters). With one split, out stands in for both."""
+    slices = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(slices, min(slices, triton.cdiv(programs_per_sm * num_sms(out.device), tiles)))
+    splits = triton.cdiv(slices, per_split)
+    if splits == 1:
+        return per_split * block_k, 1, out, out
+    part = torch.empty((splits, *shape), dtype=torch.float32, device=out.device)
+    return per_split * block_k, splits, part, counters_for(counts, tiles, out.device)
