@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from headrace import envs
 from headrace.checkpoint.config import ModelConfig
 from headrace.executor.attention import Attention, AttentionMetadata
-from headrace import envs
 from headrace.executor.models.layers import RMSNorm, fuse_few_rows, project, rope_cos_sin
 from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows
 from headrace.kernels import dispatch
