@@ -24,6 +24,9 @@
 #   beam        benchmarks/beam_search.py $BEAM_ARGS (default: the Qwen3-8B shape, 100 prompts, beam width 4)
 #   quantized   benchmarks/quantized.py $QUANTIZED_ARGS (bf16, fp8, int4 on the Qwen3-8B shape; its gguf part: as gguf)
 #   attention   benchmarks/decode_attention.py (the decode attention kernel by split count)
+#   dense       benchmarks/dense_kernel.py (few-row projections with their norm and activation, against cuBLAS)
+#   pdl         benchmarks/decode_step.py at batch 1 and 8, context 1024, with HEADRACE_FUSED_PROJECTIONS and
+#               HEADRACE_PDL off and on, twice each, in turn
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -67,6 +70,14 @@ for stage in "$@"; do
     beam) python3 benchmarks/beam_search.py ${BEAM_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/beam_search.log" ;;
     quantized) python3 benchmarks/quantized.py ${QUANTIZED_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/quantized.log" ;;
     attention) python3 benchmarks/decode_attention.py 2>&1 | tee "$out/decode_attention.log" ;;
+    dense) python3 benchmarks/dense_kernel.py ${DENSE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/dense_kernel.log" ;;
+    pdl) for run in 1 2; do
+           for v in "0 0" "1 0" "0 1" "1 1"; do set -- $v
+             echo "--- fused $1, pdl $2" | tee -a "$out/decode_switches.log"
+             HEADRACE_FUSED_PROJECTIONS=$1 HEADRACE_PDL=$2 python3 benchmarks/decode_step.py --batches 1,8 \
+               --contexts 1024 --steps 32 2>&1 | grep -E "^ +[0-9]+ +[0-9]+ " | tee -a "$out/decode_switches.log"
+           done
+         done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
