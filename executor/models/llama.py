@@ -17,12 +17,13 @@ from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows
 from headrace.kernels import dispatch
 
 
-def _linear(in_features: int, out_features: int, bias: bool, meta: bool) -> nn.Linear:
+def _linear(in_features: int, out_features: int, bias: bool, meta: bool, projection: bool = True) -> nn.Linear:
     """nn.Linear; with meta, its weight on the meta device (never allocated:
-    the loader replaces the layer by its quantized form) and its bias real."""
+    the loader replaces the layer by its quantized form) and its bias real. A
+    decoder projection is prepared for project()'s few-row kernel."""
     if not meta:
         layer = nn.Linear(in_features, out_features, bias=bias)
-        if envs.fused_projections():
+        if projection and envs.fused_projections():
             fuse_few_rows(layer)
         return layer
     layer = nn.Linear(in_features, out_features, bias=False, device="meta")
@@ -115,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # With tied embeddings the table serves as the LM head (an FP8 table: lm_head shares its buffers).
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, self.vocab_rows, False,
-                                                                    vocab_meta or "lm_head" in meta)
+                                                                    vocab_meta or "lm_head" in meta, False)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
