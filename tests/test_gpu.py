@@ -36,6 +36,18 @@ def test_float32_greedy_matches_transformers(arch, engine_kwargs, checkpoint, hf
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_a_lone_request_float32_greedy_matches_transformers(arch, checkpoint, hf_model):
+    """One request decodes at batch 1, where the projections take kernels/dense.py's one-row
+    launch with their norm and activation folded in (and the Triton kernels chain by PDL)."""
+    path = checkpoint(arch)
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=512)
+    assert llm.engine.executor.model.layers[0].mlp.gate_up_proj.splitk_counts.is_cuda  # prepared for project()
+    prompt = prompts_of_lengths(llm.engine.model_config.vocab_size, [37], seed=23)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model(path), prompt, 24)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_default_close_to_float32_reference(arch, checkpoint, hf_model):
     """bf16 (the GPU default): logprobs within 0.15 of transformers' float32,
     and greedy tokens identical wherever float32's top-2 margin exceeds 0.3."""
