@@ -47,12 +47,20 @@ def api_key() -> str | None:
 
 
 def fused_projections() -> bool:
-    """HEADRACE_FUSED_PROJECTIONS: "0" runs a few-row step's float projections through
+    """HEADRACE_FUSED_PROJECTIONS: 0 runs a few-row step's float projections through
     cuBLAS with their norms and activation as separate kernels (default 1: kernels/dense.py)."""
-    return os.environ.get("HEADRACE_FUSED_PROJECTIONS", "1") != "0"
+    return _switch("HEADRACE_FUSED_PROJECTIONS")
 
 
 def pdl() -> bool:
-    """HEADRACE_PDL: "0" launches the Triton kernels without programmatic dependent
+    """HEADRACE_PDL: 0 launches the Triton kernels without programmatic dependent
     launch (default 1: on a GPU that has it, compute capability 9.0 and up)."""
-    return os.environ.get("HEADRACE_PDL", "1") != "0"
+    return _switch("HEADRACE_PDL")
+
+
+def _switch(name: str) -> bool:
+    """An on (1, the default) / off (0) variable; anything else is refused."""
+    value = os.environ.get(name, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
+from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.norm import cast_rtne
 
 
@@ -56,7 +56,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> new
             x, x.stride(0),
             out, out.stride(0),
             d,
-            BLOCK=_BLOCK, PDL=pdl(x.device),
-            num_warps=4, **pdl_launch(x.device),
+            BLOCK=_BLOCK, num_warps=4, **pdl_args(x.device),
         )
     return out

@@ -121,7 +121,7 @@ def paged_attention_torch(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from headrace.kernels.device import num_sms, pdl, pdl_launch, wait_for_previous  # noqa: E402
+from headrace.kernels.device import num_sms, pdl_args, wait_for_previous  # noqa: E402
 from headrace.kernels.norm import cast_rtne  # noqa: E402
 
 _LOG2E = 1.4426950408889634
@@ -390,7 +390,7 @@ def paged_attention(
         # fp32 dots stay fp32 (no tf32), so fp32 runs match the reference closely.
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         UPCAST_DOT=q.device.type != "cuda",  # off the GPU kernels run in the interpreter
-        PDL=pdl(q.device), **pdl_launch(q.device),
+        **pdl_args(q.device),
     )
     qk_scale = scale * _LOG2E
 
@@ -443,7 +443,6 @@ def paged_attention(
             part_m, part_l, part_acc,
             query_start_loc,
             num_heads, head_dim, num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl(q.device),
-            **pdl_launch(q.device),
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl_args(q.device),
         )
     return out

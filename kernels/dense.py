@@ -21,7 +21,7 @@ import triton.language as tl
 
 from headrace.kernels import splitk
 from headrace.kernels.activation import silu_and_mul_ref
-from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
+from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.norm import cast_rtne, rms_norm_ref
 from headrace.kernels.splitk import sum_splits
 
@@ -191,8 +191,7 @@ def dense_linear(
         weight, bias if bias is not None else x, out, part, counts,
         m, n, k, k_per_split, x.stride(0),
         NORM=norm is not None, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
-        DOT=m > 1, SPLIT=splits > 1, EVEN_K=k % block_k == 0, PDL=pdl(x.device),
-        BLOCK_M=block_m, ROWS=block_rows, BLOCK_K=block_k,
+        DOT=m > 1, SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=block_m, ROWS=block_rows, BLOCK_K=block_k,
         NORM_BLOCK=min(triton.next_power_of_2(k), max(16, _NORM_ELEMENTS // block_m)),
-        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
+        num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return out, new_residual

@@ -27,9 +27,11 @@ def pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and envs.pdl()
 
 
-def pdl_launch(device: torch.device) -> dict:
-    """The launch options of a kernel that starts with wait_for_previous: launch_pdl where pdl() holds."""
-    return {"launch_pdl": True} if pdl(device) else {}
+@functools.cache
+def pdl_args(device: torch.device) -> dict:
+    """The launch arguments of a kernel that starts with wait_for_previous: its PDL
+    constexpr, and launch_pdl where pdl() holds. Shared: never modified."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
 
 
 @triton.jit

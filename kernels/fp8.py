@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from headrace.kernels import splitk
-from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
+from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.splitk import sum_splits
 
 FP8 = torch.float8_e4m3fn
@@ -180,8 +180,7 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         x, weight.view(torch.uint8), weight_scale, bias if bias is not None else weight_scale, out, part, counts,
         m, n, k, k_per_split, x.stride(0), DOT=m > 1, NATIVE=x.is_cuda, HAS_BIAS=bias is not None,
         SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=max(16, triton.next_power_of_2(m)) if m > 1 else 1,
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl(x.device), num_warps=warps, num_stages=stages,
-        **pdl_launch(x.device))
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return out
 
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import num_sms, pdl, pdl_launch, wait_for_previous
+from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
 from headrace.kernels.splitk import counters_for, sum_splits
 
 _Q8_0, _Q4_0, _Q4_1, _Q4_K, _Q6_K = (tl.constexpr(i) for i in range(5))
@@ -445,8 +445,8 @@ def _launch(x: torch.Tensor, p: PackedGGUF, bias: torch.Tensor | None, cfg: _Con
     args = (x, *fields, p.d if bias is None else bias, out, part, counts)
     strides = (x.stride(0), *field_strides, tiles_per_split)
     common = dict(FMT=fmt.code, HI=fmt.hi, BN=cfg.block_n, NU=units, EVEN_K=k // (2 * width) % units == 0,
-                  HAS_BIAS=bias is not None, SPLIT=split_k > 1, PDL=pdl(x.device), num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, **pdl_launch(x.device))
+                  HAS_BIAS=bias is not None, SPLIT=split_k > 1, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, **pdl_args(x.device))
     if cfg.gemv:
         _gguf_gemv_kernel[(triton.cdiv(n, cfg.block_n), split_k, m)](*args, n, k, *strides, X_ONCE=cfg.x_once,
                                                                      **common)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import num_sms, pdl, pdl_launch, wait_for_previous
+from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
 from headrace.kernels.splitk import counters_for, sum_splits
 
 _SHIFTS = tuple(range(0, 32, 4))  # bit offset of k % 8 within an int32
@@ -277,8 +277,8 @@ def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg:
         slices_per_split * block_k, x.stride(0), GROUP=0 if group_size == k else group_size,
         HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % block_k == 0, SCALE_ACC=cfg.scale_acc,
         WIDEN16=x.is_cuda and x.dtype != torch.float32, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, PDL=pdl(x.device), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}), **pdl_launch(x.device))
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}), **pdl_args(x.device))
     return out
 
 

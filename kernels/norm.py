@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
+from headrace.kernels.device import pdl_args, wait_for_previous
 
 
 def rms_norm_ref(
@@ -127,7 +127,6 @@ def rms_norm(
             out,
             num_inner, hidden, eps,
             HAS_RESIDUAL=residual is not None,
-            BLOCK=block, PDL=pdl(x.device),
-            num_warps=min(max(block // 256, 1), 16), **pdl_launch(x.device),
+            BLOCK=block, num_warps=min(max(block // 256, 1), 16), **pdl_args(x.device),
         )
     return out if residual is None else (out, residual)

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import pdl, pdl_launch, wait_for_previous
 from headrace.kernels.attention import write_kv_ref
+from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.norm import cast_rtne, rms_norm_ref
 from headrace.kernels.rotary import rotary_ref
 
@@ -150,6 +150,6 @@ def rope_and_cache(
         slot_mapping,
         num_heads, num_kv_heads, head_dim,
         NORM=q_weight is not None, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=block_h, BLOCK_HALF=block_half,
-        PDL=pdl(qkv.device), num_warps=4, **pdl_launch(qkv.device),
+        num_warps=4, **pdl_args(qkv.device),
     )
     return q

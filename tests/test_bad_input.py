@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from headrace import LLM, ConfigError, SamplingParams
+from headrace import LLM, ConfigError, SamplingParams, envs
 from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
 from tests.conftest import assert_blocks_free
@@ -172,3 +172,15 @@ def test_sample_ids_that_clash_with_a_live_request_change_nothing(checkpoint):
     assert finished == {"x#1": "length"}
     assert core.scheduler.kv.num_free_blocks == core.cache_config.num_blocks
     assert not core.executor.states.req_to_slot
+
+
+@pytest.mark.parametrize("name,read", [("HEADRACE_FUSED_PROJECTIONS", envs.fused_projections),
+                                       ("HEADRACE_PDL", envs.pdl)])
+def test_on_off_variables_take_0_or_1(name, read, monkeypatch):
+    monkeypatch.delenv(name, raising=False)
+    assert read() is True  # on by default
+    monkeypatch.setenv(name, "0")
+    assert read() is False
+    monkeypatch.setenv(name, "false")  # not silently read as "on"
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1, got 'false'"):
+        read()
