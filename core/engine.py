@@ -18,7 +18,7 @@ from headrace.core.scheduler import Scheduler
 from headrace.core.tp import TPExecutor
 from headrace.executor.model_runner import ModelRunner, first_gpu, resolve_device
 from headrace.executor.parallel import check_shardable
-from headrace.metrics.stats import EngineStats
+from headrace.metrics.stats import EngineStats, Laps
 from headrace.sampling_params import RequestOutputKind, SamplingParams, check_token_ids
 
 
@@ -28,6 +28,7 @@ class EngineCore:
     tensor_parallel_size on, counted from the GPU args.device names."""
 
     def __init__(self, args: EngineArgs, data_parallel_rank: int = 0) -> None:
+        self.startup = Laps()  # seconds of each phase of the start (the core server adds its own and logs them)
         args = _place(args, data_parallel_rank)
         self.model_config = ModelConfig.from_dir(resolve_model_path(args.model))
         max_model_len = args.resolve_max_model_len(self.model_config)
@@ -38,9 +39,12 @@ class EngineCore:
         )
         if args.tensor_parallel_size > 1:
             check_shardable(self.model_config, args.tensor_parallel_size)
+            self.startup.lap("config")
             self.executor = TPExecutor(self.model_config, self.sched_config, args)
+            self.startup.lap("tensor-parallel ranks")
         else:
-            self.executor = ModelRunner(self.model_config, self.sched_config, args)
+            self.startup.lap("config")
+            self.executor = ModelRunner(self.model_config, self.sched_config, args, startup=self.startup)
         try:
             self.cache_config = CacheConfig(args.block_size, self.executor.num_blocks, args.enable_prefix_caching)
             self.scheduler = Scheduler(self.sched_config, self.cache_config)

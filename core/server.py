@@ -92,6 +92,7 @@ class CoreServer:
         try:  # what fails from here on must not leave the engine's memory or workers behind
             tokenizer_json, tokenizer_meta = read_prepared(
                 prepare_tokenizer(resolve_model_path(args.tokenizer or args.model), envs.cache_dir()))
+            self.engine.startup.lap("tokenizer")
             self.engine.tokenizer_source = (tokenizer_json, tokenizer_meta)  # beam search's stop strings
             self.engine_id = uuid.uuid4().hex[:12]
             self.model_name = self.engine.model_config.path
@@ -144,12 +145,15 @@ class CoreServer:
         except BaseException:
             self.engine.close()
             raise
+        laps = self.engine.startup
+        logger.info("engine ready in %.2f s (%s)", sum(laps.seconds.values()), laps)
 
     def metrics_collector(self):
         """A Prometheus collector of this core's series, labelled (model_name, engine)."""
         from headrace.metrics.exporter import EngineCollector
 
-        return EngineCollector(self.engine.metrics, self.model_name, self.engine_id, self.engine.quantization)
+        return EngineCollector(self.engine.metrics, self.model_name, self.engine_id, self.engine.quantization,
+                               self.engine.startup.seconds)
 
     # ---- lifecycle ----
 

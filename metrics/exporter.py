@@ -42,15 +42,22 @@ def _add(family: HistogramMetricFamily, values, h: Histogram) -> None:
 class EngineCollector:
     """The core's series for one EngineStats, labelled (model_name, engine)."""
 
-    def __init__(self, stats: EngineStats, model_name: str, engine_id: str, quantization: str = "none") -> None:
+    def __init__(self, stats: EngineStats, model_name: str, engine_id: str, quantization: str = "none",
+                 startup: dict[str, float] | None = None) -> None:
         self._stats = stats
         self._values = [model_name, engine_id]
         self._quantization = quantization
+        self._startup = dict(startup or {})  # phase -> seconds (EngineCore.startup)
 
     def collect(self):
         s, labels, v = self._stats.snapshot(), list(names.ENGINE_LABELS), self._values
         q = names.QUANTIZATION_INFO
         yield _gauge(q, labels + list(q.extra_labels), v + [self._quantization], 1)
+        f = GaugeMetricFamily(names.STARTUP_SECONDS.name, names.STARTUP_SECONDS.help,
+                              labels=labels + list(names.STARTUP_SECONDS.extra_labels))
+        for phase, seconds in self._startup.items():
+            f.add_metric(v + [phase], seconds)
+        yield f
         yield _gauge(names.NUM_REQUESTS_RUNNING, labels, v, s.num_running)
         yield _gauge(names.NUM_REQUESTS_WAITING, labels, v, s.num_waiting)
         yield _gauge(names.KV_CACHE_USAGE, labels, v, s.kv_cache_usage)

@@ -71,9 +71,12 @@ STEP_DURATION = Metric("headrace:engine_step_duration_seconds", "histogram", "se
 QUANTIZATION_INFO = Metric("headrace:quantization_info", "gauge", "",
                            "1, labelled with the quantization the engine's weights run in ('none', or e.g. "
                            "'awq (4-bit, group 128)').", extra_labels=("quantization",))
+STARTUP_SECONDS = Metric("headrace:startup_seconds", "gauge", "seconds",
+                         "Seconds each phase of the engine core's start took (config, weights, memory profile, "
+                         "kv pool and slots, cuda graphs, tokenizer), labelled by phase.", extra_labels=("phase",))
 
 ENGINE_METRICS = (
-    QUANTIZATION_INFO, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
+    QUANTIZATION_INFO, STARTUP_SECONDS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, ITERATION_TOKENS, STEP_DURATION,
 )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import copy
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
@@ -45,6 +46,23 @@ class Histogram:
         h = Histogram.__new__(Histogram)
         h.bounds, h.counts, h.sum = self.bounds, list(self.counts), self.sum
         return h
+
+
+class Laps:
+    """Seconds of the named phases of a start-up, in order: lap(name) ends the
+    phase that ran since the previous lap (or since construction)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {s:.2f} s" for name, s in self.seconds.items())
 
 
 @dataclass

@@ -123,6 +123,10 @@ def test_scraped_totals_match_generation(served):
     assert bucket == [steps]
     (labels, _), = core["headrace:generation_tokens_total"]
     assert set(labels) == {"model_name", "engine"}
+    # the phases of the core's start (on the CPU, no CUDA graphs), as its log line gives them
+    phases = {labels["phase"]: v for labels, v in core["headrace:startup_seconds"]}
+    assert set(phases) == {"config", "weights", "memory profile", "kv pool and slots", "tokenizer"}
+    assert all(v >= 0 for v in phases.values()) and phases["weights"] > 0
 
     for key, port in served["frontend_ports"].items():
         fe, mine = scrape(port), results[key]
