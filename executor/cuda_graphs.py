@@ -110,8 +110,7 @@ class StepGraphs:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                self.model(*args)
+            self.model(*args)  # warm-up: Triton compiles and autotunes outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = self.model(*args)
