@@ -44,7 +44,7 @@ class EngineCore:
             self.startup.lap("tensor-parallel ranks")
         else:
             self.startup.lap("config")
-            self.executor = ModelRunner(self.model_config, self.sched_config, args, startup=self.startup)
+            self.executor = ModelRunner(self.model_config, self.sched_config, args, lap=self.startup.lap)
         try:
             self.cache_config = CacheConfig(args.block_size, self.executor.num_blocks, args.enable_prefix_caching)
             self.scheduler = Scheduler(self.sched_config, self.cache_config)

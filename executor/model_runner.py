@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,6 @@ from headrace.executor.sampler import SampledLogprobs, sample
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
-from headrace.metrics.stats import Laps
 from headrace.step import BeamCandidates, SchedulerOutput
 
 
@@ -120,8 +120,8 @@ class ModelRunner:
     lockstep, on the same inputs (executor/workers.py)."""
 
     def __init__(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs,
-                 tp: TPGroup = TPGroup(), startup: Laps | None = None) -> None:
-        self.startup = startup if startup is not None else Laps()  # the phases of _build, in seconds
+                 tp: TPGroup = TPGroup(), lap: Callable[[str], None] = lambda phase: None) -> None:
+        self.lap = lap  # called as each phase of _build ends (the core times them: EngineCore.startup)
         self.device = resolve_device(args.device)
         if self.device.type != "cuda":
             self._build(model_cfg, sched_cfg, args, tp)
@@ -158,10 +158,10 @@ class ModelRunner:
         self.model = load_model(model_cfg, self.dtype, self.device, sched_cfg.max_model_len, tp, self.quant)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the temporaries of quantizing at load, for the KV pool
-        self.startup.lap("weights")
+        self.lap("weights")
         self.num_kv_heads = local_kv_heads(model_cfg, tp)[1]  # this rank's
         self.num_blocks = tp.min_int(self._num_blocks(model_cfg, sched_cfg, args), self.device)  # ranks agree
-        self.startup.lap("memory profile")
+        self.lap("memory profile")
         layers = self.model.attention_layers()
         # One tensor for every layer's cache, so that a beam fork copies a
         # block of all layers in one operation.
@@ -177,12 +177,12 @@ class ModelRunner:
                                     self.device, sampling)
         self.beam = BeamState(sched_cfg.max_num_seqs, self.device)
         self.processors = [make(model_cfg.vocab_size, self.device) for make in load_logits_processors(args)]
-        self.startup.lap("kv pool and slots")
+        self.lap("kv pool and slots")
         self.graphs = None
         if self.device.type == "cuda" and not args.enforce_eager:
             self.graphs = StepGraphs(self.model, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
                                      max_blocks_per_req, sched_cfg.max_model_len, self.device)
-            self.startup.lap("cuda graphs")
+            self.lap("cuda graphs")
 
     @on_device
     def close(self) -> None:
