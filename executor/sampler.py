@@ -227,6 +227,8 @@ def pack_logprobs(raw, final, sampled, slots, idx, st: SamplingState) -> tuple[t
     num_ids = st.num_lp_ids.np[slots]
     max_n = int(num_n[num_ids == 0].max(initial=0))
     max_ids = int(num_ids.max())
+    if not max_ids:  # the sampled token and the top-N only: every logit read once
+        return dispatch.top_logprobs(source, sampled, st.act.gpu[idx], max_n)
     k = 1 + max(max_n, max_ids)
     ids = torch.full((len(slots), k), -1, dtype=torch.long, device=dev)
     ids[:, 0] = sampled

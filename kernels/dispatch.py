@@ -24,6 +24,7 @@ apply_penalties = _pick(penalties.apply_penalties_ref, "apply_penalties", penalt
 apply_logit_bias = _pick(penalties.apply_logit_bias_ref, "apply_logit_bias", penalties)
 compute_scores = _pick(logprobs.compute_scores_ref, "compute_scores", logprobs)
 token_ranks = _pick(logprobs.token_ranks_ref, "token_ranks", logprobs)
+top_logprobs = _pick(logprobs.top_logprobs_ref, "top_logprobs", logprobs)
 fill_token_ids = _pick(logprobs.fill_token_ids_ref, "fill_token_ids", logprobs)
 gumbel_sample = _pick(sampling.gumbel_sample_ref, "gumbel_sample", sampling)
 rms_norm = _pick(norm.rms_norm_ref, "rms_norm", norm)

@@ -201,3 +201,138 @@ def fill_token_ids(
         BLOCK=triton.next_power_of_2(max_ids + 1),
     )
     return ids, valid
+
+
+def top_logprobs_ref(
+    logits: torch.Tensor,  # [num_rows, vocab] float32
+    sampled: torch.Tensor,  # [num_rows] int64
+    act: torch.Tensor,  # [num_rows] int32, ACT_LOG_SOFTMAX or ACT_SIGMOID
+    n: int,  # top ids per row, 0 to 20
+) -> tuple[torch.Tensor, torch.Tensor]:  # ints [num_rows, n + 2] int32, floats [num_rows, n + 2] float32
+    """A step's logprobs packed as the wire takes them: per row the sampled id, the
+    top n ids and the sampled token's rank (ints); their scores under act, then the
+    sampled token's log_softmax (floats)."""
+    ids = torch.cat([sampled[:, None], logits.topk(n, dim=-1).indices], dim=1)
+    scores = compute_scores_ref(logits, ids, act)
+    sampled_lp = compute_scores_ref(logits, sampled[:, None], torch.zeros_like(act))[:, 0]
+    ranks = token_ranks_ref(logits, sampled)
+    return torch.cat([ids, ranks[:, None]], dim=1).int(), torch.cat([scores, sampled_lp[:, None]], dim=1)
+
+
+# top_logprobs in two launches. Pass 1: program (row, chunk) reads CHUNK logits
+# once, and writes the chunk's max, its sum of exp(x - max), how many logits
+# exceed the sampled token's, and its N largest (value, id), taken in N rounds
+# of max-then-lowest-id among the lanes not yet taken. Pass 2: program row
+# combines them into the log-sum-exp, the rank and the row's N largest (the
+# same rounds over the chunks' candidates) and writes the packed row.
+_TOP_CHUNK = 2048
+
+
+@triton.jit
+def _top_round(values, ids, taken, valid, BIG: tl.constexpr):
+    """The largest of values among valid lanes not taken (ties: the lowest id),
+    its id and the lanes' taken mask with it set."""
+    live = valid & ~taken
+    best = tl.max(tl.where(live, values, float("-inf")), axis=0)
+    pick = tl.min(tl.where(live & (values == best), ids, BIG), axis=0)
+    return best, pick, taken | (ids == pick)
+
+
+@triton.jit
+def _top_logprobs_chunk_kernel(logits_ptr, logits_stride, sampled_ptr, part_ptr, cand_v_ptr, cand_i_ptr, vocab_size,
+                               N: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    row_ptr = logits_ptr + row * logits_stride
+    ids = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = ids < vocab_size
+    x = tl.load(row_ptr + ids, mask=valid, other=float("-inf"))
+    picked = tl.load(row_ptr + tl.load(sampled_ptr + row))
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)  # a chunk of -inf only: s = 0
+    s = tl.sum(tl.exp(x - m_safe), axis=0)
+    above = tl.sum((x > picked).to(tl.int32), axis=0)
+    part = part_ptr + (row * num_chunks + chunk) * 3  # (max, sum, above as float32)
+    tl.store(part, m)
+    tl.store(part + 1, s)
+    tl.store(part + 2, above.to(tl.float32))
+    if N > 0:
+        taken = ids < 0
+        slots = tl.arange(0, BLOCK_N)
+        top_v = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        top_i = tl.full([BLOCK_N], -1, tl.int32)
+        for j in tl.static_range(N):
+            best, pick, taken = _top_round(x, ids, taken, valid, 2**31 - 1)
+            top_v = tl.where(slots == j, best, top_v)
+            top_i = tl.where(slots == j, tl.where(pick < 2**31 - 1, pick, -1), top_i)  # -1: the chunk ran out
+        out = (row * num_chunks + chunk) * N + slots
+        tl.store(cand_v_ptr + out, top_v, mask=slots < N)
+        tl.store(cand_i_ptr + out, top_i, mask=slots < N)
+
+
+@triton.jit
+def _top_logprobs_row_kernel(logits_ptr, logits_stride, sampled_ptr, act_ptr, part_ptr, cand_v_ptr, cand_i_ptr,
+                             ints_ptr, floats_ptr, num_chunks, N: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_CAND: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    part = part_ptr + (row * num_chunks + c) * 3
+    m = tl.load(part, mask=c < num_chunks, other=float("-inf"))
+    s = tl.load(part + 1, mask=c < num_chunks, other=0.0)
+    above = tl.sum(tl.load(part + 2, mask=c < num_chunks, other=0.0), axis=0)
+    row_max = tl.max(m, axis=0)
+    max_safe = tl.where(row_max > float("-inf"), row_max, 0.0)
+    lse = row_max + tl.log(tl.sum(s * tl.exp(m - max_safe), axis=0))
+    act = tl.load(act_ptr + row)
+    token = tl.load(sampled_ptr + row)
+    picked = tl.load(logits_ptr + row * logits_stride + token)
+    e = tl.exp(-tl.abs(picked))  # in [0, 1]: no overflow for either sign
+    sigmoid = tl.where(picked >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    out_i, out_f = ints_ptr + row * (N + 2), floats_ptr + row * (N + 2)
+    tl.store(out_i, token.to(tl.int32))
+    tl.store(out_f, tl.where(act == 1, sigmoid, picked - lse))  # 1 = ACT_SIGMOID
+    tl.store(out_i + N + 1, above.to(tl.int32) + 1)
+    tl.store(out_f + N + 1, picked - lse)
+    if N > 0:
+        k = tl.arange(0, BLOCK_CAND)
+        valid = k < num_chunks * N
+        values = tl.load(cand_v_ptr + row * num_chunks * N + k, mask=valid, other=float("-inf"))
+        cand_ids = tl.load(cand_i_ptr + row * num_chunks * N + k, mask=valid, other=-1)
+        valid = valid & (cand_ids >= 0)
+        taken = k < 0
+        for j in tl.static_range(N):
+            best, pick, taken = _top_round(values, k, taken, valid, 2**31 - 1)
+            token_j = tl.sum(tl.where(k == pick, cand_ids, 0), axis=0)
+            e = tl.exp(-tl.abs(best))
+            sig = tl.where(best >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+            tl.store(out_i + 1 + j, token_j)
+            tl.store(out_f + 1 + j, tl.where(act == 1, sig, best - lse))
+
+
+def top_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab] float32
+    sampled: torch.Tensor,  # [num_rows] int64
+    act: torch.Tensor,  # [num_rows] int32, ACT_LOG_SOFTMAX or ACT_SIGMOID
+    n: int,  # top ids per row, 0 to 20
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of top_logprobs_ref: every logit read once."""
+    num_rows, vocab_size = logits.shape
+    if not 0 <= n <= vocab_size:
+        raise ValueError(f"top_logprobs: n must be in [0, {vocab_size}], got {n}")
+    assert logits.stride(-1) == 1 and logits.dtype == torch.float32
+    ints = torch.empty((num_rows, n + 2), dtype=torch.int32, device=logits.device)
+    floats = torch.empty((num_rows, n + 2), dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return ints, floats
+    chunks = triton.cdiv(vocab_size, _TOP_CHUNK)
+    part = torch.empty((num_rows, chunks, 3), dtype=torch.float32, device=logits.device)
+    cand_v = torch.empty((num_rows, chunks, max(n, 1)), dtype=torch.float32, device=logits.device)
+    cand_i = torch.empty((num_rows, chunks, max(n, 1)), dtype=torch.int32, device=logits.device)
+    _top_logprobs_chunk_kernel[(num_rows, chunks)](
+        logits, logits.stride(0), sampled, part, cand_v, cand_i, vocab_size,
+        N=n, BLOCK_N=triton.next_power_of_2(max(n, 1)), CHUNK=_TOP_CHUNK, num_warps=4)
+    _top_logprobs_row_kernel[(num_rows,)](
+        logits, logits.stride(0), sampled, act, part, cand_v, cand_i, ints, floats, chunks,
+        N=n, BLOCK_C=triton.next_power_of_2(chunks), BLOCK_CAND=triton.next_power_of_2(chunks * max(n, 1)),
+        num_warps=4)
+    return ints, floats

@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 
 from headrace.kernels.logprobs import (  # noqa: E402
     compute_scores, compute_scores_ref, fill_token_ids, fill_token_ids_ref, token_ranks, token_ranks_ref,
+    top_logprobs, top_logprobs_ref,
 )
 from headrace.kernels.penalties import apply_penalties, apply_penalties_ref  # noqa: E402
 from headrace.kernels.sampling import gumbel_ref, gumbel_sample, gumbel_sample_ref, uniform, uniform_ref  # noqa: E402
@@ -94,6 +95,39 @@ def test_token_ranks(rows, vocab, poisoned_empty):
     want = token_ranks_ref(logits, token_ids)
     got = token_ranks(logits.to(DEVICE), token_ids.to(DEVICE)).cpu()
     assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows,vocab,n", [(r, v, n) for r, v in SHAPES for n in (0, 1, 5, 20) if n <= v]
+                         + [(3, 151936, 5)])  # Qwen3's vocabulary: 75 chunks
+def test_top_logprobs(rows, vocab, n, poisoned_empty):
+    g = _gen(5, rows, vocab, n)
+    logits = torch.randn(rows, vocab, generator=g) * torch.tensor([1.0, 30.0])[torch.arange(rows) % 2, None]
+    logits[torch.rand(rows, vocab, generator=g) < 0.2] = float("-inf")  # filtered entries
+    sampled = torch.randint(0, vocab, (rows,), generator=g)
+    logits[torch.arange(rows), sampled] = 0.5  # sampled tokens are never -inf
+    act = torch.randint(0, 2, (rows,), generator=g, dtype=torch.int32)
+    want_i, want_f = top_logprobs_ref(logits, sampled, act, n)
+    got_i, got_f = top_logprobs(logits.to(DEVICE), sampled.to(DEVICE), act.to(DEVICE), n)
+    assert got_i.dtype == torch.int32 and got_f.dtype == torch.float32 and got_i.shape == (rows, n + 2)
+    torch.testing.assert_close(got_f.cpu(), want_f, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(logits.gather(1, want_i[:, 1 : n + 1].long()))  # -inf logits tie: any is a top id
+    assert torch.equal(got_i.cpu()[:, 1 : n + 1][finite], want_i[:, 1 : n + 1][finite])
+    assert torch.equal(got_i.cpu()[:, [0, -1]], want_i[:, [0, -1]])  # sampled id, its rank
+
+
+def test_top_logprobs_ties():
+    """Tied logits: the top ids are distinct, hold the reference's values, and the rank counts strictly greater."""
+    g = _gen(6)
+    logits = torch.round(torch.randn(4, 5000, generator=g) * 2) / 2  # many exact ties
+    sampled = torch.randint(0, 5000, (4,), generator=g)
+    act = torch.zeros(4, dtype=torch.int32)
+    want_i, want_f = top_logprobs_ref(logits, sampled, act, 20)
+    got_i, got_f = (t.cpu() for t in top_logprobs(logits.to(DEVICE), sampled.to(DEVICE), act.to(DEVICE), 20))
+    torch.testing.assert_close(got_f, want_f, rtol=1e-5, atol=1e-5)
+    top = got_i[:, 1:21].long()
+    assert all(len(set(r.tolist())) == 20 for r in top)
+    assert torch.equal(logits.gather(1, top), logits.gather(1, want_i[:, 1:21].long()))
+    assert torch.equal(got_i[:, [0, -1]], want_i[:, [0, -1]])
 
 
 @pytest.mark.parametrize("max_ids", [0, 1, 5, 20, 129])
