@@ -22,7 +22,7 @@ import triton.language as tl
 from headrace.kernels import splitk
 from headrace.kernels.activation import silu_and_mul_ref
 from headrace.kernels.device import pdl_args, wait_for_previous
-from headrace.kernels.norm import cast_rtne, rms_norm_ref
+from headrace.kernels.norm import cast_rtne, prenorm, rms_norm_ref
 from headrace.kernels.splitk import sum_splits
 
 
@@ -38,10 +38,7 @@ def dense_linear_ref(
     without one, None without norm)."""
     new_residual = None
     if norm is not None:
-        if residual is None:
-            new_residual, x = x, rms_norm_ref(x, *norm)
-        else:
-            x, new_residual = rms_norm_ref(x, *norm, residual)
+        x, new_residual = prenorm(rms_norm_ref, x, *norm, residual)
     y = F.linear(x, weight, bias)
     return (silu_and_mul_ref(y) if gated else y), new_residual
 

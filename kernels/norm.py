@@ -28,6 +28,16 @@ def rms_norm_ref(
     return out if residual is None else (out, x)
 
 
+def prenorm(norm_fn, x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm layer's input and the residual past it through norm_fn
+    (rms_norm_ref or rms_norm): (norm(x + residual), x + residual), or
+    (norm(x), x) without a residual."""
+    if residual is None:
+        return norm_fn(x, weight, eps), x
+    return norm_fn(x, weight, eps, residual)
+
+
 @triton.jit
 def cast_rtne(x, dtype: tl.constexpr):
     """float32 x.to(dtype), rounded to nearest even on the GPU and under the

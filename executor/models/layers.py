@@ -8,6 +8,7 @@ from torch import nn
 
 from headrace.checkpoint.config import RopeConfig
 from headrace.kernels import dense, dispatch
+from headrace.kernels.norm import prenorm
 
 
 class RMSNorm(nn.Module):
@@ -50,10 +51,8 @@ def project(
             and (norm is None or norm.weight.dtype == x.dtype)):
         return dense.dense_linear(x, linear.weight, linear.bias, None if norm is None else (norm.weight, norm.eps),
                                   residual, gated, counts)
-    if norm is not None and residual is None:
-        residual, x = x, norm(x)
-    elif norm is not None:
-        x, residual = norm(x, residual)
+    if norm is not None:
+        x, residual = prenorm(dispatch.rms_norm, x, norm.weight, norm.eps, residual)
     y = linear(x)
     return (silu_and_mul(y) if gated else y), residual
 
