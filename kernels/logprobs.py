@@ -57,6 +57,13 @@ _VOCAB_BLOCK = 1024
 
 
 @triton.jit
+def _score(x, lse, act):
+    """A logit's score: sigmoid(x) for act 1 (ACT_SIGMOID), else log_softmax, x - lse."""
+    e = tl.exp(-tl.abs(x))  # in [0, 1]: no overflow for either sign
+    return tl.where(act == 1, tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)), x - lse)
+
+
+@triton.jit
 def _compute_scores_kernel(
     logits_ptr, logits_stride,
     token_ids_ptr, token_ids_stride,
@@ -90,9 +97,7 @@ def _compute_scores_kernel(
     valid = ids >= 0
     picked = tl.load(row_ptr + tl.maximum(ids, 0), mask=kmask & valid, other=0.0).to(tl.float32)
     act = tl.load(act_ptr + row)
-    e = tl.exp(-tl.abs(picked))  # in [0, 1]: no overflow for either sign
-    sigmoid = tl.where(picked >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-    scores = tl.where(act == 1, sigmoid, picked - lse)  # 1 = ACT_SIGMOID
+    scores = _score(picked, lse, act)
     tl.store(out_ptr + row * out_stride + kk, tl.where(valid, scores, 0.0), mask=kmask)
 
 
@@ -286,11 +291,9 @@ def _top_logprobs_row_kernel(logits_ptr, logits_stride, sampled_ptr, act_ptr, pa
     act = tl.load(act_ptr + row)
     token = tl.load(sampled_ptr + row)
     picked = tl.load(logits_ptr + row * logits_stride + token)
-    e = tl.exp(-tl.abs(picked))  # in [0, 1]: no overflow for either sign
-    sigmoid = tl.where(picked >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     out_i, out_f = ints_ptr + row * (N + 2), floats_ptr + row * (N + 2)
     tl.store(out_i, token.to(tl.int32))
-    tl.store(out_f, tl.where(act == 1, sigmoid, picked - lse))  # 1 = ACT_SIGMOID
+    tl.store(out_f, _score(picked, lse, act))
     tl.store(out_i + N + 1, above.to(tl.int32) + 1)
     tl.store(out_f + N + 1, picked - lse)
     if N > 0:
@@ -303,10 +306,8 @@ def _top_logprobs_row_kernel(logits_ptr, logits_stride, sampled_ptr, act_ptr, pa
         for j in tl.static_range(N):
             best, pick, taken = _top_round(values, k, taken, valid, 2**31 - 1)
             token_j = tl.sum(tl.where(k == pick, cand_ids, 0), axis=0)
-            e = tl.exp(-tl.abs(best))
-            sig = tl.where(best >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
             tl.store(out_i + 1 + j, token_j)
-            tl.store(out_f + 1 + j, tl.where(act == 1, sig, best - lse))
+            tl.store(out_f + 1 + j, _score(best, lse, act))
 
 
 def top_logprobs(
