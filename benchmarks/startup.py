@@ -143,6 +143,9 @@ def main() -> None:
     if args.model is None:
         from benchmarks_common import qwen3_06b_checkpoint
         args.model = str(qwen3_06b_checkpoint())
+    bad = [t for t in args.tree if "=" not in t]
+    if bad:
+        parser.error(f"--tree takes NAME=DIR, got {bad}")
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": ""}
     paths = args.paths.split(",")
     runners = {"llm": lambda *a: run_script(LLM_SCRIPT, *a), "async": lambda *a: run_script(ASYNC_SCRIPT, *a),
