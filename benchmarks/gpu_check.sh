@@ -27,6 +27,9 @@
 #   dense       benchmarks/dense_kernel.py (few-row projections with their norm and activation, against cuBLAS)
 #   startup     benchmarks/startup.py $STARTUP_ARGS (LLM, AsyncEngine.from_model and headrace serve: spawn to
 #               ready, with the core's phases; needs the http wheels for serve)
+#   single      benchmarks/single_stream.py $SINGLE_ARGS (batch-1 decode on the Qwen3-0.6B shape and the SmolLM2
+#               GGUF beside transformers' static cache under torch.compile; needs gguf and accelerate among the
+#               wheels and the SmolLM2 file already in $HEADRACE_CACHE_DIR/smollm2, as gguf does)
 #   pdl         benchmarks/decode_step.py at batch 1 and 8, context 1024, with HEADRACE_FUSED_PROJECTIONS and
 #               HEADRACE_PDL off and on, twice each, in turn
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
@@ -73,6 +76,7 @@ for stage in "$@"; do
     quantized) python3 benchmarks/quantized.py ${QUANTIZED_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/quantized.log" ;;
     attention) python3 benchmarks/decode_attention.py 2>&1 | tee "$out/decode_attention.log" ;;
     dense) python3 benchmarks/dense_kernel.py ${DENSE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/dense_kernel.log" ;;
+    single) python3 benchmarks/single_stream.py ${SINGLE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/single_stream.log" ;;
     startup) python3 benchmarks/startup.py ${STARTUP_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/startup.log" ;;
     pdl) for run in 1 2; do
            for v in "0 0" "1 0" "0 1" "1 1"; do set -- $v
