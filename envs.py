@@ -52,6 +52,12 @@ def fused_projections() -> bool:
     return _switch("HEADRACE_FUSED_PROJECTIONS")
 
 
+def fused_decode() -> bool:
+    """HEADRACE_FUSED_DECODE: 0 runs a decode step's rotary and KV-cache write as a
+    kernel of its own before attention (default 1: inside the decode attention kernel)."""
+    return _switch("HEADRACE_FUSED_DECODE")
+
+
 def pdl() -> bool:
     """HEADRACE_PDL: 0 launches the Triton kernels without programmatic dependent
     launch (default 1: on a GPU that has it, compute capability 9.0 and up)."""

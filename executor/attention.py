@@ -6,7 +6,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from headrace import envs
+from headrace.kernels import dispatch
 from headrace.kernels.attention import paged_attention, paged_attention_ref
+from headrace.kernels.qkv import decode_attention
 
 
 @dataclass
@@ -24,8 +27,9 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Attends over the paged cache, which already holds this step's keys and
-    values (the decoder writes them as it rotates them: kernels/qkv.py).
+    """Attends over the paged cache. forward takes q when the cache already
+    holds this step's keys and values; from_qkv takes the q|k|v projection
+    and writes them first (kernels/qkv.py).
 
     kv_cache is bound by the model runner after it sizes the KV pool:
     [2, num_blocks, block_size, num_kv_heads, head_dim].
@@ -47,3 +51,20 @@ class Attention(nn.Module):
         return paged_attention_ref(
             q, self.kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables, self.scale
         )
+
+    def from_qkv(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        positions: torch.Tensor,  # [num_tokens]
+        cos_sin: torch.Tensor,  # [max_positions, head_dim] float32
+        qk_norm: tuple[torch.Tensor | None, torch.Tensor | None, float],  # per-head q, k RMSNorm weights, eps
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """q and k normed (with qk_norm's weights) and rotated, k and v written
+        into the cache at meta.slot_mapping, then attention. A decode step on a
+        GPU does it all in the decode attention kernel."""
+        rope = (positions, cos_sin, *qk_norm, self.kv_cache, meta.slot_mapping, self.num_heads)
+        if qkv.is_cuda and meta.max_query_len == 1 and envs.fused_decode():
+            return decode_attention(qkv, *rope, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
+                                    meta.max_seq_len)
+        return self(dispatch.rope_and_cache(qkv, *rope), meta)

@@ -123,6 +123,7 @@ import triton.language as tl  # noqa: E402
 
 from headrace.kernels.device import num_sms, pdl_args, wait_for_previous  # noqa: E402
 from headrace.kernels.norm import cast_rtne  # noqa: E402
+from headrace.kernels.rotary import rotate_heads  # noqa: E402
 
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # a constexpr global: readable inside kernels
@@ -176,6 +177,24 @@ def _attend_keys(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def store_token_kv(
+    k_src, v_src,  # [H, 1] pointers to the token's k and v heads in the q|k|v row (model dtype)
+    dst,  # [H, 1] pointers to the token's key slot at those heads in the cache; its values are stride_c_kv on
+    stride_c_kv, mask, offs_d, head_dim,  # mask [H, BLOCK_D]; lanes offs_d [BLOCK_D]
+    pos, cos_sin_ptr, cos_sin_stride, k_weight_ptr, eps, NORM: tl.constexpr,
+):
+    """Rotate a token's k heads (normed first with NORM, kernels/rotary.py's
+    rotate_heads), round them to the model dtype and then to the cache's, and
+    store them and the v heads at the token's slot, as write_kv_ref does."""
+    dtype = k_src.dtype.element_ty
+    cache_dtype = dst.dtype.element_ty
+    k = rotate_heads(k_src, mask, offs_d, head_dim, pos, cos_sin_ptr, cos_sin_stride, k_weight_ptr, eps, NORM)
+    tl.store(dst + offs_d[None, :], cast_rtne(cast_rtne(k, dtype).to(tl.float32), cache_dtype), mask=mask)
+    v = tl.load(v_src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + stride_c_kv + offs_d[None, :], cast_rtne(v, cache_dtype), mask=mask)
 
 
 @triton.jit
@@ -263,16 +282,24 @@ def _paged_decode_kernel(
     query_start_loc_ptr, seq_lens_ptr,
     block_tables_ptr, stride_bt,
     num_heads, head_dim, qk_scale, num_splits,
+    positions_ptr, cos_sin_ptr, cos_sin_stride, q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, num_kv_heads,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    PDL: tl.constexpr,
+    ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (request, KV head, split) for single-query rows: the
     group's query heads are the tile's rows (padded to GROUP_M >= 16 for
     tl.dot). Split s visits its own run of whole key tiles; with SPLIT the
     unnormalised (max, sum, acc) go to the partial buffers for
-    _paged_decode_reduce_kernel, without it the output is written directly."""
+    _paged_decode_reduce_kernel, without it the output is written directly.
+
+    With ROPE, q_ptr is the fused q|k|v projection (stride_qh = head_dim) and
+    this launch also does kernels/qkv.py's rope_and_cache for the row's token:
+    the q heads are normed (NORM) and rotated as they are loaded, and the
+    program whose split holds the token's own key rotates its k head and
+    stores it and v into the cache, then attends. A barrier orders that store
+    before the program's own loads; no other program reads that key."""
     wait_for_previous(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -291,10 +318,23 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     io_mask = row_valid[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=io_mask, other=0.0)  # [GROUP_M, BLOCK_D]
-
+    q_row = q_ptr + q_start.to(tl.int64) * stride_qt
     k_base = cache_ptr + kv_head.to(tl.int64) * stride_c_h
+    if ROPE:
+        pos = tl.load(positions_ptr + q_start).to(tl.int64)
+        q = cast_rtne(rotate_heads(q_row + head[:, None] * stride_qh, io_mask, offs_d, head_dim, pos, cos_sin_ptr,
+                                   cos_sin_stride, q_weight_ptr, eps, NORM), q_ptr.dtype.element_ty)
+        slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
+        if (key_lo < seq_len) & (seq_len <= key_hi) & (slot >= 0):  # this split holds the token's key
+            k_src = q_row + (num_heads + kv_head) * head_dim + tl.zeros([1, 1], dtype=tl.int32)
+            dst = k_base + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+            store_token_kv(k_src, k_src + num_kv_heads * head_dim, dst + tl.zeros([1, 1], dtype=tl.int64),
+                           stride_c_kv, d_mask[None, :], offs_d, head_dim, pos, cos_sin_ptr, cos_sin_stride,
+                           k_weight_ptr, eps, NORM)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_row + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)  # [GROUP_M, BLOCK_D]
+
     acc = tl.zeros([GROUP_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([GROUP_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([GROUP_M], dtype=tl.float32)
@@ -373,49 +413,77 @@ def paged_attention(
     other's rows on the device, and a max_query_len of 1 launches only the
     decode kernel."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_reqs = seq_lens.shape[0]
-    assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim and num_heads % num_kv_heads == 0
-    assert q.stride(2) == 1 and kv_cache.stride(4) == 1
-    assert query_start_loc.shape == (num_reqs + 1,) and block_tables.shape[0] == num_reqs
-    assert block_size & (block_size - 1) == 0
+    assert q.stride(2) == 1 and kv_cache.shape[4] == head_dim
     out = torch.empty_like(q)
     if num_tokens == 0 or num_reqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
-    cache_args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
-    common = dict(
-        GROUP=group, BLOCK_SIZE=block_size, BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
-        # fp32 dots stay fp32 (no tf32), so fp32 runs match the reference closely.
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=q.device.type != "cuda",  # off the GPU kernels run in the interpreter
-        **pdl_args(q.device),
-    )
-    qk_scale = scale * _LOG2E
+    common, cache_args = _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads)
 
     # Rows with more than one query: the general kernel. Single-query rows go
     # to the decode kernel unless use_decode_kernel is off (its tile is sized
     # for one query, where the general kernel's is sized for max_query_len).
     if max_query_len > 1 or not use_decode_kernel:
-        group_pad = triton.next_power_of_2(group)
-        wide = kv_cache.element_size() <= 2 and block_d <= 128  # a 128-row tile fits shared memory
+        group_pad = triton.next_power_of_2(common["GROUP"])
+        wide = kv_cache.element_size() <= 2 and common["BLOCK_D"] <= 128  # a 128-row tile fits shared memory
         block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
         block_m = max(block_m, group_pad)
-        grid = (num_tokens // (block_m // group_pad) + num_reqs, num_kv_heads)
+        grid = (num_tokens // (block_m // group_pad) + num_reqs, kv_cache.shape[3])
         _paged_attention_kernel[grid](
             q, q.stride(0), q.stride(1),
             out, out.stride(0), out.stride(1),
             *cache_args,
             query_start_loc, seq_lens,
             block_tables, block_tables.stride(0),
-            num_reqs, head_dim, qk_scale,
+            num_reqs, head_dim, scale * _LOG2E,
             GROUP_PAD=group_pad, BLOCK_M=block_m, SKIP_SINGLE=use_decode_kernel,
             num_warps=8 if block_m == 128 else 4, **common,
         )
-    if not use_decode_kernel:
-        return out
+    if use_decode_kernel:
+        launch_decode(q, q.stride(1), out, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len,
+                      num_splits)
+    return out
 
+
+def _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads) -> tuple[dict, tuple]:
+    """Both kernels' shared constexprs and their cache arguments, after checking the shapes."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_reqs = seq_lens.shape[0]
+    assert kv_cache.shape[0] == 2 and num_heads % num_kv_heads == 0 and kv_cache.stride(4) == 1
+    assert query_start_loc.shape == (num_reqs + 1,) and block_tables.shape[0] == num_reqs
+    assert block_size & (block_size - 1) == 0
+    block_d = triton.next_power_of_2(head_dim)
+    common = dict(
+        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size, BLOCK_N=64 if block_d <= 128 else 32, BLOCK_D=block_d,
+        # fp32 dots stay fp32 (no tf32), so fp32 runs match the reference closely.
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=q.device.type != "cuda",  # off the GPU kernels run in the interpreter
+        **pdl_args(q.device),
+    )
+    return common, (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+
+
+def launch_decode(
+    q: torch.Tensor,  # [num_tokens, >= num_heads * head_dim...]: q, or with rope the q|k|v projection [num_tokens, -]
+    stride_qh: int,  # elements from one q head to the next
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: written at the single-query rows
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    rope: tuple | None = None,  # (positions, cos_sin, q_weight, k_weight, eps, slot_mapping): kernels/qkv.py's
+) -> None:
+    """The decode kernel (and its reduce, with split-K) over the single-query
+    rows. With rope, q is the q|k|v projection and the kernel also does
+    rope_and_cache for those rows (kernels/qkv.py's decode_attention)."""
+    num_reqs, (_, num_heads, head_dim) = seq_lens.shape[0], out.shape
+    num_kv_heads = kv_cache.shape[3]
+    assert kv_cache.shape[4] == head_dim
+    common, cache_args = _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads)
+    block_d = common["BLOCK_D"]
     if num_splits is None:
         num_splits = _decode_num_splits(q.device, num_reqs, num_kv_heads, max_seq_len)
     assert num_splits >= 1
@@ -427,15 +495,24 @@ def paged_attention(
         part_acc = torch.empty(shape + (block_d,), dtype=torch.float32, device=q.device)
     else:  # the kernel writes no partials: out stands in for their pointers
         part_m = part_l = part_acc = out
+    if rope is None:  # unused pointers: q stands in
+        positions, cos_sin, q_weight, k_weight, eps, slot_mapping = q, q, q, q, 0.0, q
+        cos_sin_stride = 0
+    else:
+        positions, cos_sin, q_weight, k_weight, eps, slot_mapping = rope
+        cos_sin_stride = cos_sin.stride(0)
     _paged_decode_kernel[(num_reqs, num_kv_heads, num_splits)](
-        q, q.stride(0), q.stride(1),
+        q, q.stride(0), stride_qh,
         out, out.stride(0), out.stride(1),
         part_m, part_l, part_acc,
         *cache_args,
         query_start_loc, seq_lens,
         block_tables, block_tables.stride(0),
-        num_heads, head_dim, qk_scale, num_splits,
-        GROUP_M=max(16, triton.next_power_of_2(group)), SPLIT=split, num_warps=4, **common,
+        num_heads, head_dim, scale * _LOG2E, num_splits,
+        positions, cos_sin, cos_sin_stride, q_weight if q_weight is not None else q,
+        k_weight if k_weight is not None else q, eps, slot_mapping, num_kv_heads,
+        GROUP_M=max(16, triton.next_power_of_2(common["GROUP"])), SPLIT=split, ROPE=rope is not None,
+        NORM=rope is not None and q_weight is not None, num_warps=4, **common,
     )
     if split:
         _paged_decode_reduce_kernel[(num_reqs, num_heads)](
@@ -445,4 +522,3 @@ def paged_attention(
             num_heads, head_dim, num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl_args(q.device),
         )
-    return out

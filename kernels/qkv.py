@@ -5,6 +5,11 @@ Qwen3, RMSNorm each q and k head (kernels/norm.py); rotate q and k (kernels/rota
 write k and v into the paged cache at the tokens' slots (kernels/attention.py's
 write_kv_ref). It returns q. The Triton kernel does all of it in one launch, rounding
 where those steps round, so the decoder layer has one launch here rather than four.
+
+In a decode step (one query a request) decode_attention goes further: the decode
+attention kernel itself rotates q and writes k and v, so the layer has one launch
+from q|k|v to attention's output (two with split-K). Its reference is
+rope_and_cache_ref followed by paged_attention_ref.
 """
 from __future__ import annotations
 
@@ -12,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from headrace.kernels.attention import write_kv_ref
+from headrace.kernels.attention import launch_decode, paged_attention_ref, store_token_kv, write_kv_ref
 from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.norm import cast_rtne, rms_norm_ref
-from headrace.kernels.rotary import rotary_ref
+from headrace.kernels.rotary import rotary_ref, rotate_heads
 
 
 def rope_and_cache_ref(
@@ -41,28 +46,12 @@ def rope_and_cache_ref(
     return q
 
 
-# Triton: one program per token. Its cos and sin are loaded once; its q heads, then its
-# k heads, go through in tiles of [BLOCK_H heads, BLOCK_HALF] for each half of the head
-# (the two halves are what the rotation pairs). With NORM each head is normalised as
-# kernels/norm.py does (its sum of squares is the two halves' sums added) and rounded
-# to the model dtype before the rotation, which rounds again, as rotary_ref does.
-# k, rounded so, and v are then stored in the cache as write_kv_ref stores them. A token
-# whose slot is -1 (padding) writes no cache.
-@triton.jit
-def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, head_dim, half, offs_d, d_mask, NORM: tl.constexpr):
-    """x1, x2 [BLOCK_H, BLOCK_HALF]: heads' halves in the model dtype -> their rotation in float32."""
-    if NORM:
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        var = (tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / head_dim  # [BLOCK_H]
-        rstd = tl.rsqrt(var + eps)[:, None]
-        w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        x1 = cast_rtne(w1 * cast_rtne(x1f * rstd, x1.dtype).to(tl.float32), x1.dtype)
-        x2 = cast_rtne(w2 * cast_rtne(x2f * rstd, x2.dtype).to(tl.float32), x2.dtype)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    return x1f * cos - x2f * sin, x2f * cos + x1f * sin
-
-
+# Triton: one program per token. Its q heads, then its k heads, go through in
+# tiles of [BLOCK_H heads, BLOCK_D] (kernels/rotary.py's rotate_heads: with NORM
+# each head is normalised as kernels/norm.py does and rounded to the model dtype
+# before the rotation, which rounds again, as rotary_ref does). k, rounded so, and
+# v are then stored in the cache as write_kv_ref stores them (attention.py's
+# store_token_kv). A token whose slot is -1 (padding) writes no cache.
 @triton.jit
 def _rope_and_cache_kernel(
     qkv_ptr, stride_t,
@@ -72,50 +61,43 @@ def _rope_and_cache_kernel(
     cache_ptr, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
     slot_mapping_ptr,
     num_heads, num_kv_heads, head_dim,
-    NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
-    half = head_dim // 2
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
-    d_mask = offs_d < half
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + half + offs_d, mask=d_mask, other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = (offs_d < head_dim)[None, :]
     row = qkv_ptr + token * stride_t
-    dtype = qkv_ptr.dtype.element_ty
     for h0 in range(0, num_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)[:, None]
         mask = (h < num_heads) & d_mask
-        src = row + h * head_dim + offs_d
-        r1, r2 = _norm_rotate(tl.load(src, mask=mask, other=0.0), tl.load(src + half, mask=mask, other=0.0),
-                              q_weight_ptr, cos, sin, eps, head_dim, half, offs_d, d_mask, NORM)
-        dst = q_ptr + (token * num_heads + h) * head_dim + offs_d
-        tl.store(dst, cast_rtne(r1, dtype), mask=mask)
-        tl.store(dst + half, cast_rtne(r2, dtype), mask=mask)
+        q = rotate_heads(row + h * head_dim, mask, offs_d, head_dim, pos, cos_sin_ptr, cos_sin_stride, q_weight_ptr,
+                         eps, NORM)
+        tl.store(q_ptr + (token * num_heads + h) * head_dim + offs_d[None, :], cast_rtne(q, q_ptr.dtype.element_ty),
+                 mask=mask)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:  # (names apart from the q loop's: none is carried across the two)
+    if slot >= 0:
         cache_row = cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
-        cache_dtype = cache_ptr.dtype.element_ty
         for g0 in range(0, num_kv_heads, BLOCK_H):
             kh = g0 + tl.arange(0, BLOCK_H)[:, None]
-            k_mask = (kh < num_kv_heads) & d_mask
-            k_src = row + (num_heads + kh) * head_dim + offs_d
-            k1, k2 = _norm_rotate(tl.load(k_src, mask=k_mask, other=0.0),
-                                  tl.load(k_src + half, mask=k_mask, other=0.0),
-                                  k_weight_ptr, cos, sin, eps, head_dim, half, offs_d, d_mask, NORM)
-            k_dst = cache_row + kh * stride_c_h + offs_d
-            tl.store(k_dst, cast_rtne(cast_rtne(k1, dtype).to(tl.float32), cache_dtype), mask=k_mask)
-            tl.store(k_dst + half, cast_rtne(cast_rtne(k2, dtype).to(tl.float32), cache_dtype), mask=k_mask)
-            v_src = k_src + num_kv_heads * head_dim
-            v1 = tl.load(v_src, mask=k_mask, other=0.0).to(tl.float32)
-            v2 = tl.load(v_src + half, mask=k_mask, other=0.0).to(tl.float32)
-            tl.store(k_dst + stride_c_kv, cast_rtne(v1, cache_dtype), mask=k_mask)
-            tl.store(k_dst + stride_c_kv + half, cast_rtne(v2, cache_dtype), mask=k_mask)
+            k_src = row + (num_heads + kh) * head_dim
+            store_token_kv(k_src, k_src + num_kv_heads * head_dim, cache_row + kh * stride_c_h, stride_c_kv,
+                           (kh < num_kv_heads) & d_mask, offs_d, head_dim, pos, cos_sin_ptr, cos_sin_stride,
+                           k_weight_ptr, eps, NORM)
 
 
-_TILE = 2048  # elements of one half-head tile (heads x half head_dim)
+_TILE = 2048  # elements of one tile of whole heads (heads x head_dim)
+
+
+def _check(qkv, positions, cos_sin, q_weight, k_weight, kv_cache, slot_mapping, num_heads) -> None:
+    num_tokens = qkv.shape[0]
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert head_dim % 2 == 0 and cos_sin.shape[1] == head_dim and cos_sin.dtype == torch.float32
+    assert positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,)
+    assert (q_weight is None) == (k_weight is None) and kv_cache.stride(4) == 1
 
 
 def rope_and_cache(
@@ -130,17 +112,14 @@ def rope_and_cache(
     num_heads: int,
 ) -> torch.Tensor:
     """rope_and_cache_ref in one launch; q is a new contiguous tensor."""
+    _check(qkv, positions, cos_sin, q_weight, k_weight, kv_cache, slot_mapping, num_heads)
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-    assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
-    assert head_dim % 2 == 0 and cos_sin.shape[1] == head_dim and cos_sin.dtype == torch.float32
-    assert positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,)
-    assert (q_weight is None) == (k_weight is None) and kv_cache.stride(4) == 1
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
-    block_half = triton.next_power_of_2(head_dim // 2)
-    block_h = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(_TILE // block_half, 1))
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(_TILE // block_d, 1))
     _rope_and_cache_kernel[(num_tokens,)](
         qkv, qkv.stride(0),
         positions, cos_sin, cos_sin.stride(0),
@@ -149,7 +128,57 @@ def rope_and_cache(
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         slot_mapping,
         num_heads, num_kv_heads, head_dim,
-        NORM=q_weight is not None, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=block_h, BLOCK_HALF=block_half,
+        NORM=q_weight is not None, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=4, **pdl_args(qkv.device),
     )
     return q
+
+
+def decode_attention_ref(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    query_start_loc: list[int],  # [num_reqs + 1]: one query a request (or none)
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """A decode step's attention from its q|k|v projection: rope_and_cache_ref,
+    then paged_attention_ref."""
+    q = rope_and_cache_ref(qkv, positions, cos_sin, q_weight, k_weight, eps, kv_cache, slot_mapping, num_heads)
+    return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32 on qkv's device
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int,  # upper bound on seq_lens
+    num_splits: int | None = None,  # split-K partitions; None picks from the shapes
+) -> torch.Tensor:
+    """decode_attention_ref for a step whose every request has at most one
+    query, in one launch (two with split-K): the decode attention kernel
+    rotates q and writes k and v as it goes (kernels/attention.py). Tokens of
+    no request (padding) get no output and write no cache."""
+    _check(qkv, positions, cos_sin, q_weight, k_weight, kv_cache, slot_mapping, num_heads)
+    out = torch.empty((qkv.shape[0], num_heads, kv_cache.shape[4]), dtype=qkv.dtype, device=qkv.device)
+    if qkv.shape[0] and seq_lens.shape[0]:
+        launch_decode(qkv, kv_cache.shape[4], out, kv_cache, query_start_loc, seq_lens, block_tables, scale,
+                      max_seq_len, num_splits, (positions, cos_sin, q_weight, k_weight, eps, slot_mapping))
+    return out

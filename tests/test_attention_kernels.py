@@ -164,3 +164,56 @@ def test_paged_attention_torch_adapter():
     out = paged_attention_torch(q, kv_cache, torch.tensor(qsl, **i32), torch.tensor(seq_lens, **i32), block_tables,
                                 0.3, 7, max(seq_lens))
     torch.testing.assert_close(out, paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, 0.3), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block_size,heads,head_dim,dtype,norm", [(*c, i % 2 == 1) for i, c in enumerate(CASES)])
+def test_decode_attention_from_qkv(poisoned, block_size, heads, head_dim, dtype, norm):
+    """The decode kernel with rope_and_cache folded in, against rope_and_cache_ref
+    then paged_attention_ref: the output of every request's token, the k and v
+    written at the tokens' slots (which hold NaN before, so a read of a slot
+    not yet written shows), and every other slot left as it was. The last
+    token belongs to no request (padding, slot -1). With 1, 3 and 7 splits of at
+    most 5 key tiles, the key is written by the only program, by a middle
+    split's, and beside empty splits; half the cases norm q and k (Qwen3)."""
+    from headrace.executor.models.layers import rope_cos_sin
+    from headrace.checkpoint.config import RopeConfig
+    from headrace.kernels.qkv import decode_attention, decode_attention_ref
+
+    num_heads, num_kv_heads = heads
+    seed = block_size * 997 + num_heads * 5 + head_dim + int(norm)
+    _, kv_cache, qsl, seq_lens, block_tables, _ = _batch(DECODE, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                                         seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    rows = [i for i in range(len(seq_lens)) if qsl[i + 1] > qsl[i]]
+    positions = torch.tensor([seq_lens[i] - 1 for i in rows] + [0])
+    slots = torch.tensor([int(block_tables[i, (seq_lens[i] - 1) // block_size]) * block_size
+                          + (seq_lens[i] - 1) % block_size for i in rows] + [-1])
+    tokens = len(positions)
+    qkv = (torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g) * 2).to(dtype)
+    weights = [(torch.rand(head_dim, generator=g) + 0.5).to(dtype) for _ in range(2)] if norm else [None, None]
+    cos_sin = rope_cos_sin(RopeConfig(theta=10_000.0), head_dim, 512)
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    flat[:, slots[:-1]] = float("nan")
+    scale = head_dim**-0.5
+    want_cache = kv_cache.clone()
+    want = decode_attention_ref(qkv, positions, cos_sin, *weights, 1e-6, want_cache, slots, num_heads, qsl,
+                                seq_lens, block_tables, scale)[: qsl[-1]]
+    written = torch.zeros(flat.shape[1], dtype=torch.bool)
+    written[slots[:-1]] = True
+
+    def dev(x):
+        return torch.tensor(x, dtype=torch.int32, device=DEVICE)
+
+    for num_splits in [1, 3, 7]:
+        got_cache = kv_cache.to(DEVICE)
+        out = decode_attention(qkv.to(DEVICE), positions.to(DEVICE), cos_sin.to(DEVICE),
+                               *[None if w is None else w.to(DEVICE) for w in weights], 1e-6, got_cache,
+                               slots.to(DEVICE), num_heads, dev(qsl), dev(seq_lens), block_tables.to(DEVICE), scale,
+                               max(seq_lens), num_splits)
+        assert out.shape == (tokens, num_heads, head_dim) and out.dtype == dtype
+        msg = lambda m: f"num_splits={num_splits}: {m}"  # noqa: E731
+        torch.testing.assert_close(out[: qsl[-1]].cpu().float(), want.float(), **_tol(dtype), msg=msg)
+        got_flat = got_cache.cpu().view(2, -1, num_kv_heads, head_dim)
+        torch.testing.assert_close(got_flat[:, written].float(), want_cache.view(2, -1, num_kv_heads, head_dim)[
+            :, written].float(), **_tol(dtype), msg=msg)
+        assert torch.equal(got_flat[:, ~written], flat[:, ~written]), f"num_splits={num_splits}: other slots changed"

@@ -79,6 +79,6 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim
 def rope_cos_sin(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos then sin of each frequency at each
     position, the table the neox-style rotary embedding (rotate halves) reads;
-    the decoder applies it with dispatch.rope_and_cache (kernels/qkv.py)."""
+    the decoder applies it with Attention.from_qkv (kernels/qkv.py)."""
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(rope, head_dim))
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)

@@ -14,7 +14,6 @@ from headrace.checkpoint.config import ModelConfig
 from headrace.executor.attention import Attention, AttentionMetadata
 from headrace.executor.models.layers import RMSNorm, fuse_few_rows, project, rope_cos_sin
 from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows
-from headrace.kernels import dispatch
 
 
 def _linear(in_features: int, out_features: int, bias: bool, meta: bool, projection: bool = True) -> nn.Linear:
@@ -55,10 +54,9 @@ class DecoderAttention(nn.Module):
         qkv, residual = project(self.qkv_proj, x, norm, residual)  # [num_tokens, q_size + 2 * kv_size]
         qk_norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
                                                                  self.q_norm.eps)
-        # q, k per-head normed (Qwen3) and rotated; k and v into the cache; q back
-        q = dispatch.rope_and_cache(qkv, positions, self.cos_sin, *qk_norm, self.attn.kv_cache, meta.slot_mapping,
-                                    self.num_heads)
-        out, _ = project(self.o_proj, self.attn(q, meta).view(-1, self.q_size))
+        # q, k per-head normed (Qwen3) and rotated; k and v into the cache; attention
+        attn = self.attn.from_qkv(qkv, positions, self.cos_sin, qk_norm, meta)
+        out, _ = project(self.o_proj, attn.view(-1, self.q_size))
         return self.tp.all_reduce(out), residual
 
 
