@@ -42,15 +42,12 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
-        # the decode kernel's split-K counters, [>= max_num_seqs * num_kv_heads] int32, bound with kv_cache
-        # (layers may share them: they run one after another)
-        self.counts: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]
         if q.is_cuda:  # Triton kernels
             return paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                   self.scale, meta.max_query_len, meta.max_seq_len, counts=self.counts)
+                                   self.scale, meta.max_query_len, meta.max_seq_len)
         return paged_attention_ref(
             q, self.kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables, self.scale
         )
@@ -69,5 +66,5 @@ class Attention(nn.Module):
         rope = (positions, cos_sin, *qk_norm, self.kv_cache, meta.slot_mapping, self.num_heads)
         if qkv.is_cuda and meta.max_query_len == 1 and envs.fused_decode():
             return decode_attention(qkv, *rope, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-                                    meta.max_seq_len, counts=self.counts)
+                                    meta.max_seq_len)
         return self(dispatch.rope_and_cache(qkv, *rope), meta)

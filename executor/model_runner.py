@@ -25,7 +25,6 @@ from headrace.executor.sampler import SampledLogprobs, sample
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
-from headrace.kernels.splitk import counters
 from headrace.step import BeamCandidates, SchedulerOutput
 
 
@@ -169,9 +168,8 @@ class ModelRunner:
         self.kv = torch.zeros((len(layers), 2, self.num_blocks, self.block_size, self.num_kv_heads,
                                model_cfg.head_dim), dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv.unbind(0))
-        counts = counters(sched_cfg.max_num_seqs * self.num_kv_heads, self.device)  # every layer's, in turn
         for layer, cache in zip(layers, self.kv_caches):
-            layer.kv_cache, layer.counts = cache, counts
+            layer.kv_cache = cache
         max_blocks_per_req = -(-sched_cfg.max_model_len // self.block_size)
         sampling = SamplingState(sched_cfg.max_num_seqs, model_cfg.vocab_size, model_cfg.eos_token_ids,
                                  args.logprobs_mode == "processed", self.device)

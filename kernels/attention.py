@@ -111,8 +111,8 @@ def paged_attention_torch(
 # are long and the batch too small to fill the GPU; rows with more go to the
 # general kernel, whose query tile is sized from max_query_len. Both kernels
 # get every row and return at once on the other's, so a mixed batch is two
-# launches and an all-decode batch (max_query_len == 1) one: the decode
-# kernel combines its own splits. Decode rows are cheaper in the decode kernel: in
+# launches (three with split-K) and an all-decode batch (max_query_len == 1)
+# skips the general kernel. Decode rows are cheaper in the decode kernel: in
 # the general one they would occupy a whole BLOCK_M-row tile sized for the
 # longest chunk (measured on an H200: 64 decode rows of 2k context beside a
 # 512-token chunk took 361 us all through the general kernel).
@@ -124,7 +124,6 @@ import triton.language as tl  # noqa: E402
 from headrace.kernels.device import num_sms, pdl_args, wait_for_previous  # noqa: E402
 from headrace.kernels.norm import cast_rtne  # noqa: E402
 from headrace.kernels.rotary import rotate_heads  # noqa: E402
-from headrace.kernels.splitk import counters_for  # noqa: E402
 
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # a constexpr global: readable inside kernels
@@ -279,7 +278,6 @@ def _paged_decode_kernel(
     q_ptr, stride_qt, stride_qh,
     out_ptr, stride_ot, stride_oh,
     part_m_ptr, part_l_ptr, part_acc_ptr,  # [num_reqs, num_heads, num_splits(, BLOCK_D)] fp32
-    count_ptr,  # [>= num_reqs * num_kv_heads] int32, zero between launches: splits done per (request, KV head)
     cache_ptr, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
     query_start_loc_ptr, seq_lens_ptr,
     block_tables_ptr, stride_bt,
@@ -287,16 +285,14 @@ def _paged_decode_kernel(
     positions_ptr, cos_sin_ptr, cos_sin_stride, q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, num_kv_heads,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (request, KV head, split) for single-query rows: the
     group's query heads are the tile's rows (padded to GROUP_M >= 16 for
     tl.dot). Split s visits its own run of whole key tiles; with SPLIT the
-    unnormalised (max, sum, acc) go to the partial buffers, and the last of a
-    (request, KV head)'s programs to finish (an atomic count, as in
-    kernels/splitk.py) combines them into the output and resets the count;
-    without SPLIT the output is written directly.
+    unnormalised (max, sum, acc) go to the partial buffers for
+    _paged_decode_reduce_kernel, without it the output is written directly.
 
     With ROPE, q_ptr is the fused q|k|v projection (stride_qh = head_dim) and
     this launch also does kernels/qkv.py's rope_and_cache for the row's token:
@@ -354,14 +350,6 @@ def _paged_decode_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_valid[:, None])
-        tl.debug_barrier()  # every thread's partials stored before the count says so
-        count = count_ptr + req * (num_heads // GROUP) + kv_head
-        if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
-            for i in tl.static_range(GROUP):  # the group's heads
-                _combine_splits(out_ptr + q_start.to(tl.int64) * stride_ot, stride_oh, part_m_ptr, part_l_ptr,
-                                part_acc_ptr, req, kv_head * GROUP + i, num_heads, head_dim, num_splits,
-                                SPLITS_PAD, BLOCK_D)
-            tl.atomic_xchg(count, 0)
     else:
         out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
         o_off = q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -369,24 +357,34 @@ def _paged_decode_kernel(
 
 
 @triton.jit
-def _combine_splits(out_row, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, req, head, num_heads, head_dim,
-                    num_splits, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One query head's output from its splits' partial (max, sum, acc):
-    rescale each to the common max and normalise. Split 0 always holds key 0,
-    so the common max is a real score and empty splits weigh exp2(_NEG - max)
-    = 0. The partials come from other programs: read past L1 (.cg)."""
+def _paged_decode_reduce_kernel(
+    out_ptr, stride_ot, stride_oh,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    query_start_loc_ptr,
+    num_heads, head_dim, num_splits,
+    SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program per (request, query head): rescale each split's partial
+    sums to the common max and normalise. Split 0 always holds key 0, so the
+    common max is a real score and empty splits weigh exp2(_NEG - max) = 0."""
+    wait_for_previous(PDL)
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return
     s = tl.arange(0, SPLITS_PAD)
     s_mask = s < num_splits
     part = (req.to(tl.int64) * num_heads + head) * num_splits + s  # [SPLITS_PAD]
-    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
     w = tl.exp2(m - tl.max(m, axis=0))  # [SPLITS_PAD]
-    l_sum = tl.sum(w * tl.load(part_l_ptr + part, mask=s_mask, other=0.0, cache_modifier=".cg"), axis=0)
+    l_sum = tl.sum(w * tl.load(part_l_ptr + part, mask=s_mask, other=0.0), axis=0)
     offs_d = tl.arange(0, BLOCK_D)
-    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0,
-                  cache_modifier=".cg")
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, axis=0) / l_sum  # [BLOCK_D]
-    tl.store(out_row + head * stride_oh + offs_d, cast_rtne(out.to(tl.float32), out_row.dtype.element_ty),
-             mask=offs_d < head_dim)
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             cast_rtne(out.to(tl.float32), out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
 
 def _decode_num_splits(device: torch.device, num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
@@ -408,7 +406,6 @@ def paged_attention(
     max_seq_len: int,  # upper bound on seq_lens, for the decode kernel's split count
     num_splits: int | None = None,  # decode split-K partitions; None picks from the shapes
     use_decode_kernel: bool = True,  # False: every row through the general kernel (tests, benchmarks)
-    counts: torch.Tensor | None = None,  # the decode kernel's split-K counters (launch_decode)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
     """Triton version of paged_attention_ref, with no host sync: the bounds
     are host ints. Single-query rows go to the split-K decode kernel, the
@@ -444,7 +441,7 @@ def paged_attention(
         )
     if use_decode_kernel:
         launch_decode(q, q.stride(1), out, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len,
-                      num_splits, counts=counts)
+                      num_splits)
     return out
 
 
@@ -478,13 +475,10 @@ def launch_decode(
     max_seq_len: int,
     num_splits: int | None = None,
     rope: tuple | None = None,  # (positions, cos_sin, q_weight, k_weight, eps, slot_mapping): kernels/qkv.py's
-    counts: torch.Tensor | None = None,  # split-K counters, [>= num_reqs * num_kv_heads] int32, zero between calls
 ) -> None:
-    """The decode kernel over the single-query rows, in one launch with or
-    without split-K. With rope, q is the q|k|v projection and the kernel also
-    does rope_and_cache for those rows (kernels/qkv.py's decode_attention).
-    Calls that share counts must run one after another on one stream; without
-    counts a zeroed tensor is made for the call."""
+    """The decode kernel (and its reduce, with split-K) over the single-query
+    rows. With rope, q is the q|k|v projection and the kernel also does
+    rope_and_cache for those rows (kernels/qkv.py's decode_attention)."""
     num_reqs, (_, num_heads, head_dim) = seq_lens.shape[0], out.shape
     num_kv_heads = kv_cache.shape[3]
     assert kv_cache.shape[4] == head_dim
@@ -499,9 +493,8 @@ def launch_decode(
         part_m = torch.empty(shape, dtype=torch.float32, device=q.device)
         part_l = torch.empty(shape, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(shape + (block_d,), dtype=torch.float32, device=q.device)
-        counts = counters_for(counts, num_reqs * num_kv_heads, q.device)
-    else:  # the kernel writes no partials and counts nothing: out stands in for their pointers
-        part_m = part_l = part_acc = counts = out
+    else:  # the kernel writes no partials: out stands in for their pointers
+        part_m = part_l = part_acc = out
     if rope is None:  # unused pointers: q stands in
         positions, cos_sin, q_weight, k_weight, eps, slot_mapping = q, q, q, q, 0.0, q
         cos_sin_stride = 0
@@ -511,14 +504,21 @@ def launch_decode(
     _paged_decode_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, q.stride(0), stride_qh,
         out, out.stride(0), out.stride(1),
-        part_m, part_l, part_acc, counts,
+        part_m, part_l, part_acc,
         *cache_args,
         query_start_loc, seq_lens,
         block_tables, block_tables.stride(0),
         num_heads, head_dim, scale * _LOG2E, num_splits,
         positions, cos_sin, cos_sin_stride, q_weight if q_weight is not None else q,
         k_weight if k_weight is not None else q, eps, slot_mapping, num_kv_heads,
-        GROUP_M=max(16, triton.next_power_of_2(common["GROUP"])), SPLIT=split,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), ROPE=rope is not None,
+        GROUP_M=max(16, triton.next_power_of_2(common["GROUP"])), SPLIT=split, ROPE=rope is not None,
         NORM=rope is not None and q_weight is not None, num_warps=4, **common,
     )
+    if split:
+        _paged_decode_reduce_kernel[(num_reqs, num_heads)](
+            out, out.stride(0), out.stride(1),
+            part_m, part_l, part_acc,
+            query_start_loc,
+            num_heads, head_dim, num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **pdl_args(q.device),
+        )

@@ -8,7 +8,7 @@ where those steps round, so the decoder layer has one launch here rather than fo
 
 In a decode step (one query a request) decode_attention goes further: the decode
 attention kernel itself rotates q and writes k and v, so the layer has one launch
-from q|k|v to attention's output. Its reference is
+from q|k|v to attention's output (two with split-K). Its reference is
 rope_and_cache_ref followed by paged_attention_ref.
 """
 from __future__ import annotations
@@ -171,15 +171,14 @@ def decode_attention(
     scale: float,
     max_seq_len: int,  # upper bound on seq_lens
     num_splits: int | None = None,  # split-K partitions; None picks from the shapes
-    counts: torch.Tensor | None = None,  # split-K counters (kernels/attention.py's launch_decode)
 ) -> torch.Tensor:
     """decode_attention_ref for a step whose every request has at most one
-    query, in one launch: the decode attention kernel
+    query, in one launch (two with split-K): the decode attention kernel
     rotates q and writes k and v as it goes (kernels/attention.py). Tokens of
     no request (padding) get no output and write no cache."""
     _check(qkv, positions, cos_sin, q_weight, k_weight, kv_cache, slot_mapping, num_heads)
     out = torch.empty((qkv.shape[0], num_heads, kv_cache.shape[4]), dtype=qkv.dtype, device=qkv.device)
     if qkv.shape[0] and seq_lens.shape[0]:
         launch_decode(qkv, kv_cache.shape[4], out, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                      max_seq_len, num_splits, (positions, cos_sin, q_weight, k_weight, eps, slot_mapping), counts)
+                      max_seq_len, num_splits, (positions, cos_sin, q_weight, k_weight, eps, slot_mapping))
     return out
