@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -272,6 +273,19 @@ def run_workers(cmd: list[str], jobs: list) -> tuple[float, list]:
     finally:
         for proc in procs:
             proc.wait()
+
+
+def worker_answer(result) -> None:
+    """A run_workers process's answer: one JSON line on stdout, written whole.
+    With latency lists the line is far longer than a pipe holds (64 KiB), and
+    one answer came back cut at 64 KiB through print(), so the bytes go out
+    with os.write, on a blocking descriptor, until all are written."""
+    sys.stdout.flush()
+    fd = sys.stdout.fileno()
+    os.set_blocking(fd, True)
+    data = (json.dumps(result) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def graph_call_us(calls: list, replays: int = 10) -> float:

@@ -85,7 +85,7 @@ import time
 import numpy as np
 
 from benchmarks_common import (ScheduleRecorder, StepFloor, core_process, measure_ceilings, qwen3_06b_checkpoint,
-                               run_workers, workload)
+                               run_workers, worker_answer, workload)
 from headrace import AsyncEngine, EngineDeadError, RequestOutputKind, SamplingParams
 from headrace.frontend.async_engine import run
 
@@ -587,10 +587,10 @@ def parse_args():
 def main() -> None:
     args = parse_args()
     if args.frontend:
-        print(json.dumps(run(frontend_process(args.frontend, json.loads(sys.stdin.readline())))), flush=True)
+        worker_answer(run(frontend_process(args.frontend, json.loads(sys.stdin.readline()))))
         return
     if args.http_client:
-        print(json.dumps(run(http_client_process(args.http_client, json.loads(sys.stdin.readline())))), flush=True)
+        worker_answer(run(http_client_process(args.http_client, json.loads(sys.stdin.readline()))))
         return
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind as on Ctrl-C, stopping what was started
     import torch

@@ -21,7 +21,7 @@ import random
 import sys
 import time
 
-from benchmarks_common import core_process, run_workers
+from benchmarks_common import core_process, run_workers, worker_answer
 
 
 def workload(n: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -105,7 +105,7 @@ def main() -> None:
         prompts = json.loads(sys.stdin.readline())
         print("ready", flush=True)
         sys.stdin.readline()
-        print(run(frontend(args.frontend, prompts, args.max_tokens)), flush=True)
+        worker_answer(run(frontend(args.frontend, prompts, args.max_tokens)))
         return
     if args.model is None:
         from headrace.testing import demo_checkpoint
