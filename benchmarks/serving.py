@@ -379,7 +379,8 @@ async def http_requests(client, model: str, prompts, max_tokens, arrivals=None) 
                 raise ValueError(f"{tokens} tokens, usage {usage}, max_tokens {m}")
             return tokens, None
         except Exception as e:
-            return tokens, f"{type(e).__name__}: {e}"
+            cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ is not None else ""
+            return tokens, f"{type(e).__name__}: {e}{cause}"
 
     start = time.perf_counter()
     done = await asyncio.gather(*map(complete, prompts, max_tokens, arrivals or [0.0] * len(prompts)))

@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                           "(default: 5)")
     srv.add_argument("--restart-window", type=float, default=300.0,
                      help="seconds over which --max-restarts counts (default: 300)")
+    srv.add_argument("--timeout-keep-alive", type=float, default=30.0,
+                     help="seconds an idle keep-alive connection stays open (default: 30, longer than the 5 s and "
+                          "15 s for which httpx and aiohttp pool a connection, so that a client never sends on one "
+                          "the server is closing)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds to let running requests finish before failing them (default: 30; "
                           "a second SIGTERM fails them at once)")

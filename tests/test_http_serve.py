@@ -2,6 +2,7 @@
 servers on one port, the API key, and children that die and are restarted."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 
 import httpx
 import openai
@@ -109,16 +111,32 @@ def test_a_second_server_on_the_port_is_refused(server, checkpoint):
                                            (["--port", "0", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
                                            (["--port", "0", "--restart-window", "0"], "--restart-window must be > 0"),
                                            (["--port", "0", "--shutdown-timeout", "-1"],
-                                            "--shutdown-timeout must be >= 0")])
+                                            "--shutdown-timeout must be >= 0"),
+                                           (["--port", "0", "--timeout-keep-alive", "0"],
+                                            "--timeout-keep-alive must be > 0")])
 def test_bad_serve_flags_are_refused(checkpoint, flags, message):
     r = subprocess.run([sys.executable, "-m", "headrace.frontend.cli", "serve", "--model", str(checkpoint("qwen3")),
                         *flags], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr
 
 
-def test_api_key_is_required_on_v1(checkpoint):
-    s = Serve(checkpoint("qwen3"), env={"HEADRACE_API_KEY": "sekret"})
+def test_api_key_is_required_on_v1_and_idle_connections_close_at_the_keep_alive_timeout(checkpoint):
+    s = Serve(checkpoint("qwen3"), "--timeout-keep-alive", "1.5", env={"HEADRACE_API_KEY": "sekret"})
     try:
+        # One connection: reused after 0.3 s idle, closed by the server after 1.5 s idle.
+        conn = http.client.HTTPConnection(urllib.parse.urlsplit(s.root).netloc, timeout=5)
+        try:
+            for idle in (0.0, 0.3):
+                time.sleep(idle)
+                conn.request("GET", "/health")
+                r = conn.getresponse()
+                assert r.status == 200 and not r.will_close
+                r.read()
+            sock = conn.sock
+            time.sleep(2.5)
+            assert sock.recv(1) == b""  # the server closed it
+        finally:
+            conn.close()
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0).models.list()
         c = openai.OpenAI(base_url=s.base_url, api_key="sekret", max_retries=0)

@@ -122,7 +122,7 @@ async def _run_api_server(args: argparse.Namespace) -> None:
                        api_key=envs.api_key())
     sock = listening_socket(args.host, args.port, listen=True)
     config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive)
     server = uvicorn.Server(config)
     # Until it serves, a signal just ends the process; the engine below still says goodbye to the core.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument("--timeout-keep-alive", type=float, default=30.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     die_with_parent(args.parent_pid)

@@ -140,6 +140,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--restart-window must be > 0 seconds, got {args.restart_window}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if not args.timeout_keep_alive > 0:
+        raise ValueError(f"--timeout-keep-alive must be > 0 seconds, got {args.timeout_keep_alive}")
 
 
 def serve(args: argparse.Namespace, engine_args) -> int:
@@ -160,7 +162,7 @@ def serve(args: argparse.Namespace, engine_args) -> int:
         env["HEADRACE_API_KEY"] = args.api_key  # in the environment, not on a command line ps shows
     cmd = [sys.executable, "-m", "headrace.frontend.api.server", *[a for addr, _ in ipc for a in ("--core", addr)],
            "--host", args.host, "--port", str(port), "--run-dir", str(run_dir),
-           "--shutdown-timeout", str(args.shutdown_timeout),
+           "--shutdown-timeout", str(args.shutdown_timeout), "--timeout-keep-alive", str(args.timeout_keep_alive),
            "--served-model-name", args.served_model_name or engine_args.model, "--parent-pid", str(os.getpid())]
     api = [_Child("api_server", f"API server {i}", lambda: _ApiServer(cmd, env)) for i in range(args.api_servers)]
     signals: list[int] = []  # SIGTERM and SIGINT received once serving
