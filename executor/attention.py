@@ -42,6 +42,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        self.fused_decode = envs.fused_decode()  # from_qkv's decode path (read once, not at every step)
 
     def forward(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]
@@ -64,7 +65,7 @@ class Attention(nn.Module):
         into the cache at meta.slot_mapping, then attention. A decode step on a
         GPU does it all in the decode attention kernel."""
         rope = (positions, cos_sin, *qk_norm, self.kv_cache, meta.slot_mapping, self.num_heads)
-        if qkv.is_cuda and meta.max_query_len == 1 and envs.fused_decode():
+        if qkv.is_cuda and meta.max_query_len == 1 and self.fused_decode:
             return decode_attention(qkv, *rope, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
                                     meta.max_seq_len)
         return self(dispatch.rope_and_cache(qkv, *rope), meta)

@@ -418,12 +418,12 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_reqs == 0:
         return out
-    common, cache_args = _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads)
 
     # Rows with more than one query: the general kernel. Single-query rows go
     # to the decode kernel unless use_decode_kernel is off (its tile is sized
     # for one query, where the general kernel's is sized for max_query_len).
     if max_query_len > 1 or not use_decode_kernel:
+        common, cache_args = _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads)
         group_pad = triton.next_power_of_2(common["GROUP"])
         wide = kv_cache.element_size() <= 2 and common["BLOCK_D"] <= 128  # a 128-row tile fits shared memory
         block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
@@ -464,8 +464,8 @@ def _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads
 
 
 def launch_decode(
-    q: torch.Tensor,  # [num_tokens, >= num_heads * head_dim...]: q, or with rope the q|k|v projection [num_tokens, -]
-    stride_qh: int,  # elements from one q head to the next
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], or with rope the q|k|v projection
+    stride_qh: int,  # elements from one q head to the next (head_dim in the q|k|v projection)
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: written at the single-query rows
     kv_cache: torch.Tensor,
     query_start_loc: torch.Tensor,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -140,8 +141,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--restart-window must be > 0 seconds, got {args.restart_window}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    if not args.timeout_keep_alive > 0:
-        raise ValueError(f"--timeout-keep-alive must be > 0 seconds, got {args.timeout_keep_alive}")
+    if not 0 < args.timeout_keep_alive < math.inf:
+        raise ValueError(f"--timeout-keep-alive must be > 0 seconds and finite, got {args.timeout_keep_alive}")
 
 
 def serve(args: argparse.Namespace, engine_args) -> int:
