@@ -9,8 +9,10 @@ of the weights that none is still in L2 (as in a model, where each layer's
 weights are read once per step). The floor is the packed weight, scales,
 zeros, x and y bytes at the copy bandwidth, or 2 M N K FLOPs at the bf16
 matmul rate, whichever is longer, both measured in the same run; the peer is
-F.linear with bf16 weights, timed the same way. err is the largest
-difference from int4_linear_ref relative to the largest output. --sweep also
+F.linear with bf16 weights, timed the same way. err is int4_linear's largest
+difference from int4_linear_ref relative to the largest output. The table's
+config is timed at every M; at one row and from DEQUANTIZE_ROWS rows
+int4_linear runs another path, timed on a line of its own. --sweep also
 times the candidate configs of each M bucket.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from benchmarks_common import graph_call_us as per_call_us, measure_ceilings
 
 from headrace.kernels.int4 import DEQUANTIZE_ROWS, _Config, _launch, _pick_config, int4_linear, int4_linear_ref
 
-SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]  # (N, K)
+SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]  # (N, K); Qwen3-8B's LM head is 151936x4096
 L2_BYTES = 50 * 2**20
 C = _Config
 # Candidates per M bucket for --sweep: (block_m, block_n, block_k, num_warps, num_stages, scale_acc, split_k, regs).
@@ -93,10 +95,11 @@ def main() -> None:
                 mark = "table" if cfg == picked else ""
                 print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                       f" {err:8.1e}  {tuple(cfg)} {mark}", flush=True)
-            if m >= DEQUANTIZE_ROWS:  # what int4_linear runs there: W dequantized, then cuBLAS
+            if m >= DEQUANTIZE_ROWS or m == 1:  # what int4_linear runs there instead of the table's config
                 t = per_call_us([lambda lay=lay: int4_linear(x, *lay, g, None) for lay in layers])
+                label = "one-row kernel, kernels/int4_gemv.py" if m == 1 else "dequantize + cuBLAS"
                 print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
-                      f" {err:8.1e}  dequantize + cuBLAS (int4_linear)", flush=True)
+                      f" {err:8.1e}  {label} (int4_linear)", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ The one layout for every int4 checkpoint (AWQ and GPTQ are repacked into it at l
     zeros    [K // G, N] in the same dtype, integers (they come from 4-bit fields)
     W[n, k] = (q(k, n) - zeros[k // G, n]) * scales[k // G, n], G = group_size dividing K
 and y = x W^T + bias. int4_linear_ref dequantizes W and calls F.linear;
-int4_linear is one Triton kernel that dequantizes tiles on the fly.
+int4_linear is one Triton kernel that dequantizes tiles on the fly (one row of a
+16-bit model: kernels/int4_gemv.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import triton
 import triton.language as tl
 
 from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
+from headrace.kernels import int4_gemv as int4_gemv_module
+from headrace.kernels.int4_gemv import int4_gemv
 from headrace.kernels.splitk import counters_for, sum_splits
 
 _SHIFTS = tuple(range(0, 32, 4))  # bit offset of k % 8 within an int32
@@ -284,8 +287,9 @@ def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg:
 
 def split_k_tiles(n: int) -> int:
     """The most output tiles a split-K launch on N features has (its counters, kernels/splitk.py)."""
-    return max(triton.cdiv(limit, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-               for limit, cfg in _CONFIGS if limit is not None and limit < DEQUANTIZE_ROWS)
+    return max([triton.cdiv(limit, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+                for limit, cfg in _CONFIGS if limit is not None and limit < DEQUANTIZE_ROWS]
+               + [triton.cdiv(n, int4_gemv_module.BLOCK_N)])
 
 
 # Triton, for many rows: program (k tile, n tile) writes W^T [BLOCK_K8 * 8, BLOCK_N]
@@ -328,7 +332,8 @@ def dequantize_int4_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: t
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int, bias: torch.Tensor | None, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """int4_linear_ref's result in one launch (two from DEQUANTIZE_ROWS rows); x's last dimension must be contiguous.
+    """int4_linear_ref's result in one launch (two from DEQUANTIZE_ROWS rows; one 16-bit row: int4_gemv);
+    x's last dimension must be contiguous.
     counts: the layer's split-K counters (split_k_tiles(N) of them, zero between calls)."""
     _check_input(x, qweight, scales, zeros, group_size, bias)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -336,6 +341,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if x.stride(-1) != 1:
         raise ValueError("x must be contiguous in its last dimension")
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if x2.shape[0] == 1 and x.dtype != torch.float32:  # one row of a 16-bit model: kernels/int4_gemv.py
+        return int4_gemv(x2, qweight, scales, zeros, group_size, bias, counts).reshape(*x.shape[:-1], qweight.shape[1])
     if x2.shape[0] >= DEQUANTIZE_ROWS:
         out = x2 @ dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype)
         out = out if bias is None else out + bias

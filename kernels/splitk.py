@@ -26,18 +26,27 @@ def counters_for(count: torch.Tensor | None, tiles: int, device: torch.device) -
 
 
 @triton.jit
-def sum_splits(acc, part_ptr, count_ptr, tile, split, num_splits, split_stride, offs, mask):
+def sum_splits(acc, part_ptr, count_ptr, tile, split, num_splits, split_stride, offs, mask,
+               MAX_SPLITS: tl.constexpr = 0):
     """acc [BLOCK_M, BLOCK_N] float32: this program's partial, stored at
     part_ptr + split * split_stride + offs -> (the tile's sum over every split,
-    whether this program is the one to write it)."""
+    whether this program is the one to write it). MAX_SPLITS (a power of two at
+    least num_splits, or 0): the last program issues its loads of the partials
+    all at once rather than one after another."""
     tl.store(part_ptr + split * split_stride + offs, acc, mask=mask)
     tl.debug_barrier()  # every thread's partial stored before the count says so
     last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == num_splits - 1
     total = acc
     if last:
         total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in range(1, num_splits):
-            total += tl.load(part_ptr + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if MAX_SPLITS:
+            for s in tl.static_range(1, MAX_SPLITS):
+                src = tl.minimum(num_splits - 1, s)  # past the last split: one already added, dropped below
+                more = tl.load(part_ptr + src * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                total += tl.where(src == s, more, 0.0)
+        else:
+            for s in range(1, num_splits):
+                total += tl.load(part_ptr + s * split_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(count_ptr + tile, 0)
     return total, last
 

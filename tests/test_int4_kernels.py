@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from headrace.kernels.int4 import (  # noqa: E402
     _CONFIGS, _launch, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, split_k_tiles, unpack_int4,
 )
+from headrace.kernels.int4_gemv import int4_gemv  # noqa: E402
 from headrace.kernels.splitk import counters  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,6 +122,36 @@ def test_every_config_and_split(m, monkeypatch):
             _assert_near(_launch(x, qweight, scales, zeros, g, bias, cfg._replace(split_k=split_k), counts),
                          want, x, w)
             assert not counts.any()
+
+
+# (K, N, G): K = G of a width that is no power of two (its last slice masked); G = 16 (16-wide slices);
+# N leaving a partial tile; on the GPU, the Qwen3-8B o_proj width.
+GEMV_SHAPES = [(256, 40, 128), (40, 96, 40), (200, 72, 200), (128, 40, 16), (512, 130, 64)]
+if DEVICE == "cuda":
+    GEMV_SHAPES += [(4096, 1000, 128), (1024, 4096, 1024)]
+
+
+@pytest.mark.parametrize("k,n,g", GEMV_SHAPES)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+def test_one_row_gemv(k, n, g, dtype, monkeypatch):
+    """The one-row kernel that int4_linear runs for a single 16-bit row, with K whole or split 3 and 7
+    ways (and as many as it picks); torch.empty returns NaN-filled memory, so an output or partial
+    left unwritten shows, and the split-K counters are back at zero after every call."""
+    qweight, scales, zeros = _layer(k, n, g, dtype, seed=k + n + g)
+    gen = torch.Generator().manual_seed(k * n)
+    x = (torch.randn(1, k, generator=gen) * 4).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    w = dequantize_int4(qweight, scales, zeros, g, dtype)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    counts = counters(split_k_tiles(n), DEVICE)
+    for b in (None, bias):
+        want = int4_linear_ref(x, qweight, scales, zeros, g, b)
+        for split_k in (0, 1, 3, 7):
+            _assert_near(int4_gemv(x, qweight, scales, zeros, g, b, counts, split_k), want, x, w)
+            assert not counts.any()
+        got = int4_linear(x[None], qweight, scales, zeros, g, b, counts)  # [1, 1, K]: the kernel int4_linear picks
+        _assert_near(got[0], want, x, w)
 
 
 def test_strided_and_batched_x_and_reproducible():

@@ -1,0 +1,138 @@
+"""One row of a w4a16 linear layer (decode at batch 1), without tensor cores.
+
+kernels/int4.py's layout and reference; int4_linear sends it one-row calls with
+16-bit activations. At one row its tl.dot kernel pads the row to 16 and passes
+each dequantized tile through shared memory; this kernel instead turns each
+4-bit weight into a float32 factor with one logic op and multiplies it into the
+sum with one FMA, and every program reads its weights with no stage between.
+
+The trick: a nibble q placed at bits p..p+3 of a float32 whose exponent field
+says 2^23 (0x4B000000) is the float 2^23 + q 2^p = 2^p (2^(23 - p) + q), exactly.
+With p = 12 or 16 (from at most one shift of the int32), one FMA with x_j 2^-p
+adds (2^(23 - p) + q) x_j: the weight plus a known offset of 2^11 or 2^7 times
+x_j. Each row of a tile starts its sum at -(sum_j offset_j x_j + zero sum_j x_j),
+so after the eight FMAs it holds sum_j (q_j - zero) x_j; the group's scale
+multiplies that once. The offsets cost precision only against float32 inputs
+(float32 keeps the tl.dot kernel): in a 16-bit model the sums stay within a few
+float32 ulps of 2^11 |x|, far below the 16-bit rounding of W and y that the
+reference makes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
+from headrace.kernels.splitk import counters_for, sum_splits
+
+# (lop3 0xEA: (a & b) | c) the nibble at bits 12..15 or 16..19, with 2^23's exponent field
+_NIBBLE12 = tl.constexpr("lop3.b32 $0, $1, 0x0000F000, 0x4B000000, 0xEA;")
+_NIBBLE16 = tl.constexpr("lop3.b32 $0, $1, 0x000F0000, 0x4B000000, 0xEA;")
+
+
+@triton.jit
+def _factor(word, P: tl.constexpr, ASM: tl.constexpr):
+    """int32 word -> float32 2^P (2^(23 - P) + the nibble at bits P..P+3), P = 12 or 16."""
+    if ASM:  # one instruction; Triton's and + or come out as two
+        asm: tl.constexpr = _NIBBLE12 if P == 12 else _NIBBLE16
+        bits = tl.inline_asm_elementwise(asm, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
+    else:  # the interpreter runs no PTX
+        bits = (word & (0xF << P)) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_at(x_ptr, offs, in_k, J: tl.constexpr):
+    return tl.load(x_ptr + offs + J, mask=in_k, other=0.0).to(tl.float32)
+
+
+# Program (n tile, split) adds its split's run of BLOCK_K-wide slices of K (each in one group) for
+# BLOCK_N outputs, as a [BLOCK_K // 8, BLOCK_N] tile of sums kept per int32 row until the end.
+# Nibble j of an int32 is at bit 4 j: j = 0 goes to bit 16 (<< 16), 1 and 2 to 12 and 16 (<< 8),
+# 3 and 4 are in place, 5 and 6 go to 12 and 16 (>> 8), 7 to 12 (>> 16).
+@triton.jit
+def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                      EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      STAGES: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    r = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0  # [BLOCK_K // 8] int32 rows inside the split
+        qw = tl.load(qw_ptr + (k0 // 8 + r)[:, None].to(tl.int64) * N + offs_n[None, :],
+                     mask=in_k[:, None] & mask_n[None, :], other=0)
+        g = (k0 // GROUP if GROUP else 0) * N + offs_n
+        zero = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        scale = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        offs_x = k0 + r * 8
+        x0, x1 = _x_at(x_ptr, offs_x, in_k, 0), _x_at(x_ptr, offs_x, in_k, 1)
+        x2, x3 = _x_at(x_ptr, offs_x, in_k, 2), _x_at(x_ptr, offs_x, in_k, 3)
+        x4, x5 = _x_at(x_ptr, offs_x, in_k, 4), _x_at(x_ptr, offs_x, in_k, 5)
+        x6, x7 = _x_at(x_ptr, offs_x, in_k, 6), _x_at(x_ptr, offs_x, in_k, 7)
+        at16 = (x0 + x2) + (x4 + x6)  # the x_j of nibbles placed at bit 16 (offset 2^7)
+        at12 = (x1 + x3) + (x5 + x7)  # and at bit 12 (offset 2^11)
+        offset = at16 * 128.0 + at12 * 2048.0
+        row = -(offset[:, None] + zero * (at16 + at12)[:, None])  # [BLOCK_K // 8, BLOCK_N]
+        u16: tl.constexpr = 2.0 ** -16
+        u12: tl.constexpr = 2.0 ** -12
+        row = tl.fma(_factor(qw << 16, 16, ASM), (x0 * u16)[:, None], row)
+        word = qw << 8
+        row = tl.fma(_factor(word, 12, ASM), (x1 * u12)[:, None], row)
+        row = tl.fma(_factor(word, 16, ASM), (x2 * u16)[:, None], row)
+        row = tl.fma(_factor(qw, 12, ASM), (x3 * u12)[:, None], row)
+        row = tl.fma(_factor(qw, 16, ASM), (x4 * u16)[:, None], row)
+        word = qw >> 8
+        row = tl.fma(_factor(word, 12, ASM), (x5 * u12)[:, None], row)
+        row = tl.fma(_factor(word, 16, ASM), (x6 * u16)[:, None], row)
+        row = tl.fma(_factor(qw >> 16, 12, ASM), (x7 * u12)[:, None], row)
+        acc = tl.fma(row, scale, acc)
+    total = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_N]
+    offs, mask = offs_n[None, :], mask_n[None, :]
+    last = True
+    if SPLIT:
+        total, last = sum_splits(total, part_ptr, count_ptr, pid_n, split, tl.num_programs(1), N, offs, mask,
+                                 MAX_SPLITS)
+    if last:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# From benchmarks/int4_kernel.py's sweep on an H100 (Qwen3-8B's projections and LM head, group 128):
+# 64 outputs and 128 of K a program, 4 warps, K split until there are about 8 programs an SM. Their
+# loads are not staged through shared memory when K is split (the programs in flight cover the
+# latency); launches without a split loop long enough for three stages to pay.
+BLOCK_N, BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 64, 128, 4, 8
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None, counts: torch.Tensor | None = None, split_k: int = 0) -> torch.Tensor:
+    """int4_linear_ref for x [1, K] (float16 / bfloat16; int4_linear has checked the shapes) -> [1, N].
+    counts: split-K counters for cdiv(N, BLOCK_N) tiles; split_k: the K splits (0: by PROGRAMS_PER_SM)."""
+    k, n = x.shape[1], qweight.shape[1]
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if group_size == k:  # one group: any slice width, the last slice masked
+        block_k = min(BLOCK_K, max(8, triton.next_power_of_2(k)))
+    else:  # a power of two dividing G, so every slice lies in one group
+        block_k = min(BLOCK_K, group_size & -group_size)
+    tiles = triton.cdiv(n, BLOCK_N)
+    slices = triton.cdiv(k, block_k)
+    splits = min(slices, split_k or triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), tiles))
+    per_split = triton.cdiv(slices, splits)
+    splits = triton.cdiv(slices, per_split)
+    part = out if splits == 1 else torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
+    counts = out if splits == 1 else counters_for(counts, tiles, x.device)
+    stages = 3 if splits == 1 else 1
+    _int4_gemv_kernel[(tiles, splits)](
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, per_split * block_k,
+        GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        MAX_SPLITS=triton.next_power_of_2(splits), EVEN_K=k % block_k == 0, ASM=x.is_cuda, BLOCK_N=BLOCK_N,
+        BLOCK_K=block_k, STAGES=stages, num_warps=NUM_WARPS, num_stages=stages, **pdl_args(x.device))
+    return out
