@@ -5,7 +5,8 @@
 For (N, K) in 4096x4096 (o_proj), 6144x4096 (q|k|v), 24576x4096 (gate|up) and
 4096x12288 (down), bf16 activations and M tokens: microseconds per call of the
 whole layer (the few-rows Triton kernel up to FEW_ROWS rows; per-token
-activation quantization and torch._scaled_mm above), of the few-rows kernel
+activation quantization, then fp8_mm up to MM_ROWS and torch._scaled_mm
+above), of the few-rows kernel
 (up to 64 rows) and of quantization plus _scaled_mm, timed as CUDA-graph
 replays cycling through enough weight copies that none stays in L2. The floor
 is the E4M3 weight bytes at the copy bandwidth measured in this run; the peer

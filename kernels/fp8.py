@@ -2,7 +2,8 @@
 
 fp8_linear runs on a GPU that has FP8 tensor cores (compute capability 8.9
 and up): a few rows (decode) through a Triton kernel that widens the weights
-and leaves the activations unquantized, more rows quantized per token for
+and leaves the activations unquantized, more rows quantized per token for a
+Triton E4M3 GEMM that splits K (fp8_mm, up to MM_ROWS rows) or, beyond,
 torch._scaled_mm. fp8_linear_ref does _scaled_mm's arithmetic by dequantizing
 (the quantized values times their scales, in the input's dtype), which is
 what runs on the CPU and what the tests compare against; fp8_few_rows_ref is
@@ -31,23 +32,37 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Triton: one program per row; a first pass finds the row's largest
-# magnitude, a second scales (an IEEE division, as torch's) and rounds.
+# magnitude, a second scales (an IEEE division, as torch's) and rounds. A row of
+# at most _ONE_PASS columns is loaded once and kept in registers for both.
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLOCK: tl.constexpr,
+                          WHOLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    if WHOLE:  # the row in one block (BLOCK >= cols)
+        offs = tl.arange(0, BLOCK)
         mask = offs < cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        tl.store(scale_ptr + row, scale)
         q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + offs, q.to(tl.float8e4nv), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + offs, mask=offs < cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < cols
+            x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+            tl.store(q_ptr + row * stride_q + offs, q.to(tl.float8e4nv), mask=mask)
+
+
+_ONE_PASS = 16384  # columns a program holds at once (64 float32 a thread at 8 warps)
 
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +72,10 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((rows, cols), dtype=FP8, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0),
-                                       BLOCK=min(4096, triton.next_power_of_2(cols)))
+        whole = cols <= _ONE_PASS
+        block = triton.next_power_of_2(cols) if whole else 4096
+        _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), BLOCK=block, WHOLE=whole,
+                                       num_warps=8 if block > 4096 else 4)
     return q, scale
 
 
@@ -158,8 +175,9 @@ PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
 
 
 def few_rows_tiles(n: int) -> int:
-    """Output tiles of the few-rows kernel on N features, at most (its split-K counters)."""
-    return triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0]))
+    """Output tiles of the few-rows kernel or fp8_mm on N features, at most (their split-K counters)."""
+    return max(triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0])),
+               triton.cdiv(MM_ROWS, MM_CONFIG[0]) * triton.cdiv(n, MM_CONFIG[1]))
 
 
 def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -184,14 +202,85 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return out
 
 
+# Triton, for FEW_ROWS + 1 to MM_ROWS rows: x quantized per token first (as for
+# _scaled_mm), then E4M3 x E4M3 on the tensor cores with float32 sums, K split
+# so that small N still fills the GPU (where cuBLAS's FP8 GEMM runs a tile per
+# SM or fewer), and both scales applied to the sum. Program (m tile * n tiles +
+# n tile, split); kernels/splitk.py adds the splits.
+@triton.jit(do_not_specialize=["M"])
+def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                   HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    tile, split = tl.program_id(0), tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = xq_ptr + offs_m[:, None].to(tl.int64) * K + (k_start + offs_k)[None, :]  # [BLOCK_M, BLOCK_K] E4M3
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + (k_start + offs_k)[None, :]  # [BLOCK_N, BLOCK_K] E4M3
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        in_k = (k0 + offs_k < k_end)[None, :]
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k, other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    last = True
+    if SPLIT:
+        acc, last = sum_splits(acc, part_ptr, count_ptr, tile, split, tl.num_programs(1), M * N, offs, mask)
+    if last:
+        acc *= tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+        acc *= tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Up to MM_ROWS rows _fp8_mm_kernel, beyond them _scaled_mm. On an H100 (Qwen3-8B's
+# projections, benchmarks/RESULTS.md) at 33 to 128 rows the kernel took 0.77-1.0x
+# _scaled_mm's time (quantization included in both), at 256 rows up to 1.4x.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the sweep's best or within 4%
+# on each shape at 33 and 64 rows; K split until every SM has about a program.
+MM_ROWS, MM_CONFIG, MM_PROGRAMS_PER_SM = 128, (64, 64, 128, 4, 5), 1
+
+
+def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+           bias: torch.Tensor | None, out_dtype: torch.dtype, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """x_q [M, K] E4M3 (rows contiguous) @ weight [N, K] E4M3^T, times x_scale [M, 1] and weight_scale [N, 1]
+    (float32), + bias -> [M, N] out_dtype; on a GPU, M <= MM_ROWS. counts: split-K counters, zero between calls."""
+    m, k = x_q.shape
+    n = weight.shape[0]
+    if not 0 < m <= MM_ROWS:
+        raise ValueError(f"fp8_mm takes 1 to {MM_ROWS} rows, got {m}")
+    block_m, block_n, block_k, warps, stages = MM_CONFIG
+    x_q = x_q.contiguous()
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (m, n), out, counts, MM_PROGRAMS_PER_SM)
+    _fp8_mm_kernel[(tiles, splits)](
+        x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, part, counts,
+        m, n, k, k_per_split, HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages, **pdl_args(x_q.device))
+    return out
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                input_scale: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_linear_ref's layer on a GPU: up to FEW_ROWS rows by fp8_few_rows (the activations
     unquantized, input_scale unused); more rows quantized (per token, or by input_scale)
-    for _scaled_mm."""
+    for fp8_mm up to MM_ROWS, and _scaled_mm beyond."""
     if 0 < x.shape[0] <= FEW_ROWS and x.stride(-1) == 1:
         return fp8_few_rows(x, weight, weight_scale, bias, counts)
     x_q, x_scale = quantize_rows_triton(x) if input_scale is None else quantize_static(x, input_scale)
+    if 0 < x.shape[0] <= MM_ROWS:
+        return fp8_mm(x_q, x_scale, weight, weight_scale, bias, x.dtype, counts)
     # weight.t() is column-major, as _scaled_mm wants its second operand.
     return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), bias=bias,
                             out_dtype=x.dtype)

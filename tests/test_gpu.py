@@ -271,11 +271,11 @@ def test_float32_beam_search_matches_transformers(arch, engine_kwargs, checkpoin
 
 @pytest.mark.parametrize("m, k, n, bias", [(1, 256, 512, False), (7, 1024, 768, True), (64, 4096, 4096, False),
                                            (300, 512, 1536, True), (1, 12288, 1000, False), (16, 8192, 640, True),
-                                           (17, 4096, 4096, False)])
+                                           (17, 4096, 4096, False), (33, 1000, 130, True), (100, 12288, 512, False)])
 def test_fp8_linear_matches_its_reference(m, k, n, bias):
     """Up to FEW_ROWS rows the Triton kernel (activations not quantized), more
-    _scaled_mm with per-token and per-channel scales, each against its
-    arithmetic in float32: bf16 output rounding is the only difference."""
+    fp8_mm or _scaled_mm with per-token and per-channel scales, each against
+    its arithmetic in float32: bf16 output rounding is the only difference."""
     from headrace.kernels.fp8 import FEW_ROWS, fp8_few_rows_ref, fp8_linear, fp8_linear_ref, quantize_rows
 
     g = torch.Generator(device="cuda").manual_seed(m * k + n)
@@ -287,6 +287,28 @@ def test_fp8_linear_matches_its_reference(m, k, n, bias):
     want = ref(x.float(), w, scale, None if b is None else b.float())
     err = (got - want).abs().max().item() / want.abs().max().item()
     assert err < 1e-2, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("m, k, n", [(33, 4096, 4096), (64, 1000, 130), (100, 12288, 512), (128, 256, 6144)])
+def test_fp8_mm_matches_its_arithmetic(m, k, n, monkeypatch):
+    """fp8_mm: the E4M3 products summed in float32 and scaled, against the same in torch; torch.empty
+    returns NaN-filled memory, so an output or partial left unwritten shows, and the split-K counters
+    are back at zero after every call. K = 1000 leaves a partial slice; N = 130 a partial tile."""
+    from headrace.kernels.fp8 import fp8_mm, few_rows_tiles, quantize_rows
+    from headrace.kernels.splitk import counters
+
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x_q, x_scale = quantize_rows(torch.randn(m, k, device="cuda", generator=g))
+    w, w_scale = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+    b = torch.randn(n, device="cuda", generator=g).bfloat16()
+    want = (x_q.float() @ w.float().t()) * x_scale * w_scale.t() + b.float()
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    counts = counters(few_rows_tiles(n), "cuda")
+    for _ in range(2):
+        got = fp8_mm(x_q, x_scale, w, w_scale, b, torch.bfloat16, counts)
+        torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3 * want.abs().max().item())
+        assert not counts.any()
 
 
 def logprob_gaps(llm, ref, label: str) -> tuple[float, float]:
