@@ -162,11 +162,11 @@ def _fp8_few_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, coun
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Up to FEW_ROWS rows run the Triton kernel; more go to _scaled_mm. On an H100 at
-# 32 rows the kernel took 13.7-51.4 us against _scaled_mm's 18.3-52.6 (with the
-# activations' quantization) on the four shapes, at 64 rows 24.8-99.4 against 17.8-50.7.
-# The kernel takes up to 64.
-FEW_ROWS, _MAX_ROWS = 32, 64
+# Up to FEW_ROWS rows run the Triton kernel; more are quantized for fp8_mm. On an
+# H100 at 16 rows the kernel took 10.2-44.4 us on Qwen3-8B's four projection shapes
+# against quantization + fp8_mm's 13.2-43.8, at 24 and 32 rows 15.7-48.2 against
+# 13.3-43.8 (its 32-row tiles). The kernel takes up to 64.
+FEW_ROWS, _MAX_ROWS = 16, 64
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row (FMA) and for more
 # rows (tl.dot): the fastest on an H100 over Qwen3-8B's four projection shapes
 # (benchmarks/fp8_kernel.py --sweep), within 2% of each shape's own best.
@@ -205,17 +205,17 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 # Triton, for FEW_ROWS + 1 to MM_ROWS rows: x quantized per token first (as for
 # _scaled_mm), then E4M3 x E4M3 on the tensor cores with float32 sums, K split
 # so that small N still fills the GPU (where cuBLAS's FP8 GEMM runs a tile per
-# SM or fewer), and both scales applied to the sum. Program (m tile * n tiles +
-# n tile, split); kernels/splitk.py adds the splits.
+# SM or fewer), and both scales applied to the sum. Program (n tile * m tiles +
+# m tile, split); kernels/splitk.py adds the splits.
 @triton.jit(do_not_specialize=["M"])
 def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     tile, split = tl.program_id(0), tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tiles_m = tl.cdiv(M, BLOCK_M)  # an n tile's m tiles run side by side, sharing its weights in L2
+    offs_m = (tile % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -244,10 +244,10 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 
 
 # Up to MM_ROWS rows _fp8_mm_kernel, beyond them _scaled_mm. On an H100 (Qwen3-8B's
-# projections, benchmarks/RESULTS.md) at 33 to 128 rows the kernel took 0.77-1.0x
+# projections, benchmarks/RESULTS.md) at 17 to 128 rows the kernel took 0.67-0.99x
 # _scaled_mm's time (quantization included in both), at 256 rows up to 1.4x.
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the sweep's best or within 4%
-# on each shape at 33 and 64 rows; K split until every SM has about a program.
+# on each shape at 16 to 64 rows; K split until every SM has about a program.
 MM_ROWS, MM_CONFIG, MM_PROGRAMS_PER_SM = 128, (64, 64, 128, 4, 5), 1
 
 
