@@ -18,6 +18,7 @@ import triton.language as tl
 
 from headrace.kernels import splitk
 from headrace.kernels.device import pdl_args, wait_for_previous
+from headrace.kernels.norm import cast_rtne
 from headrace.kernels.splitk import sum_splits
 
 FP8 = torch.float8_e4m3fn
@@ -33,7 +34,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Triton: one program per row; a first pass finds the row's largest
 # magnitude, a second scales (an IEEE division, as torch's) and rounds. A row of
-# at most _ONE_PASS columns is loaded once and kept in registers for both.
+# at most ONE_PASS columns is loaded once and kept in registers for both.
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLOCK: tl.constexpr,
                           WHOLE: tl.constexpr):
@@ -62,7 +63,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLO
             tl.store(q_ptr + row * stride_q + offs, q.to(tl.float8e4nv), mask=mask)
 
 
-_ONE_PASS = 16384  # columns a program holds at once (64 float32 a thread at 8 warps)
+ONE_PASS = 16384  # columns a program holds at once (64 float32 a thread at 8 warps)
 
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,11 +73,76 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((rows, cols), dtype=FP8, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
-        whole = cols <= _ONE_PASS
+        whole = cols <= ONE_PASS
         block = triton.next_power_of_2(cols) if whole else 4096
         _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), BLOCK=block, WHOLE=whole,
                                        num_warps=8 if block > 4096 else 4)
     return q, scale
+
+
+# Triton: a projection's input made and quantized in one launch, one program per
+# row held whole in registers: RMSNorm(x + residual) (NORM; the sum written into
+# residual, as kernels/norm.py's kernel does) or silu(gate) * up from gate | up
+# (GATED), each rounded to x's dtype as its own kernel rounds, then quantized as
+# quantize_rows does.
+@triton.jit
+def _make_and_quantize_kernel(x_ptr, stride_x, res_ptr, w_ptr, eps, q_ptr, scale_ptr, cols, NORM: tl.constexpr,
+                              HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < cols
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if NORM:
+        if HAS_RES:
+            r = tl.load(res_ptr + row * cols + offs, mask=mask, other=0.0)
+            x = cast_rtne(x.to(tl.float32) + r.to(tl.float32), dtype)
+            tl.store(res_ptr + row * cols + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / cols + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = cast_rtne(w * cast_rtne(xf * rstd, dtype).to(tl.float32), dtype).to(tl.float32)
+    else:  # gated: x is gate, up follows it
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + cols + offs, mask=mask, other=0.0).to(tl.float32)
+        act = cast_rtne(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+        y = cast_rtne(act * up, dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
+    tl.store(q_ptr + row * cols + offs, q.to(tl.float8e4nv), mask=mask)
+
+
+def _make_and_quantize(x: torch.Tensor, cols: int, norm: tuple[torch.Tensor, float] | None,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.shape[0]
+    if cols > ONE_PASS or x.stride(-1) != 1:
+        raise ValueError(f"a fused quantization takes rows of up to {ONE_PASS} contiguous columns, got {cols}")
+    q = torch.empty((rows, cols), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(cols)
+        _make_and_quantize_kernel[(rows,)](
+            x, x.stride(0), residual if residual is not None else x, norm[0] if norm else x, norm[1] if norm else 0.0,
+            q, scale, cols, NORM=norm is not None, HAS_RES=residual is not None, BLOCK=block,
+            num_warps=8 if block > 4096 else 4, **pdl_args(x.device))
+    return q, scale
+
+
+def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_rows(rms_norm(x + residual)) in one launch -> (E4M3 [rows, cols], float32 scale [rows, 1], the next
+    residual: x + residual written into residual's buffer, or x without one). x [rows, cols], cols <= 16384."""
+    if residual is not None:
+        assert residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype
+    q, scale = _make_and_quantize(x, x.shape[1], (weight, eps), residual)
+    return q, scale, x if residual is None else residual
+
+
+def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(silu_and_mul(x)) in one launch: x [rows, 2 d] gate | up, d <= 16384."""
+    return _make_and_quantize(x, x.shape[1] // 2, None, None)
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,16 +337,24 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     return out
 
 
+def fp8_quantized_linear(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype,
+                         counts: torch.Tensor | None = None) -> torch.Tensor:
+    """An FP8 layer on its input already quantized (x_q [M, K] E4M3, x_scale [M, 1] float32): fp8_mm up to
+    MM_ROWS rows, _scaled_mm beyond."""
+    if 0 < x_q.shape[0] <= MM_ROWS:
+        return fp8_mm(x_q, x_scale, weight, weight_scale, bias, out_dtype, counts)
+    # weight.t() is column-major, as _scaled_mm wants its second operand.
+    return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), bias=bias,
+                            out_dtype=out_dtype)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                input_scale: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_linear_ref's layer on a GPU: up to FEW_ROWS rows by fp8_few_rows (the activations
     unquantized, input_scale unused); more rows quantized (per token, or by input_scale)
-    for fp8_mm up to MM_ROWS, and _scaled_mm beyond."""
+    for fp8_quantized_linear."""
     if 0 < x.shape[0] <= FEW_ROWS and x.stride(-1) == 1:
         return fp8_few_rows(x, weight, weight_scale, bias, counts)
     x_q, x_scale = quantize_rows_triton(x) if input_scale is None else quantize_static(x, input_scale)
-    if 0 < x.shape[0] <= MM_ROWS:
-        return fp8_mm(x_q, x_scale, weight, weight_scale, bias, x.dtype, counts)
-    # weight.t() is column-major, as _scaled_mm wants its second operand.
-    return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), bias=bias,
-                            out_dtype=x.dtype)
+    return fp8_quantized_linear(x_q, x_scale, weight, weight_scale, bias, x.dtype, counts)

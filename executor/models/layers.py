@@ -45,16 +45,33 @@ def project(
     """(linear(norm(x + residual)), then silu_and_mul if gated; the next residual:
     x + residual, x without one, None without norm). A few rows through a float
     layer that fuse_few_rows prepared, on a GPU, take one launch for all of it
-    (kernels/dense.py); otherwise the steps run one by one."""
+    (kernels/dense.py); an FP8 layer that quantizes its input makes it with the
+    norm in one launch (Fp8Linear.normed); otherwise the steps run one by one."""
     counts = getattr(linear, "splitk_counts", None)
     if (counts is not None and x.is_cuda and 0 < x.shape[0] <= dense.FEW_ROWS and x.dtype == linear.weight.dtype
             and (norm is None or norm.weight.dtype == x.dtype)):
         return dense.dense_linear(x, linear.weight, linear.bias, None if norm is None else (norm.weight, norm.eps),
                                   residual, gated, counts)
+    quantizes = getattr(linear, "quantizes", None)  # an FP8 layer, whose input quantization can take the norm in
+    if norm is not None and quantizes is not None and quantizes(x) and norm.weight.dtype == x.dtype:
+        y, residual = linear.normed(x, norm.weight, norm.eps, residual)
+        return (silu_and_mul(y) if gated else y), residual
     if norm is not None:
         x, residual = prenorm(dispatch.rms_norm, x, norm.weight, norm.eps, residual)
     y = linear(x)
     return (silu_and_mul(y) if gated else y), residual
+
+
+def project_gated(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, norm: RMSNorm,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A gated MLP: (down(silu_and_mul(gate_up(norm(x + residual)))), the next residual). An FP8
+    down projection that quantizes these rows takes SiLU-and-mul into its quantization."""
+    quantizes = getattr(down, "quantizes", None)
+    if quantizes is not None and quantizes(x):
+        y, residual = project(gate_up, x, norm, residual)
+        return down.gated(y), residual
+    act, residual = project(gate_up, x, norm, residual, gated=True)
+    return project(down, act)[0], residual
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] float32

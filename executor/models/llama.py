@@ -12,7 +12,7 @@ from torch import nn
 from headrace import envs
 from headrace.checkpoint.config import ModelConfig
 from headrace.executor.attention import Attention, AttentionMetadata
-from headrace.executor.models.layers import RMSNorm, fuse_few_rows, project, rope_cos_sin
+from headrace.executor.models.layers import RMSNorm, fuse_few_rows, project, project_gated, rope_cos_sin
 from headrace.executor.parallel import TPGroup, local_kv_heads, vocab_rows
 
 
@@ -70,8 +70,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP's output on norm(x + residual), and the next residual (project())."""
-        act, residual = project(self.gate_up_proj, x, norm, residual, gated=True)
-        out, _ = project(self.down_proj, act)
+        out, residual = project_gated(self.gate_up_proj, self.down_proj, x, norm, residual)
         return self.tp.all_reduce(out), residual
 
 

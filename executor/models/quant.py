@@ -39,7 +39,8 @@ class Fp8Linear(nn.Module):
     """y = x W^T + b with W in FP8 E4M3, one scale per output channel. Above
     kernels/fp8.py's FEW_ROWS rows on a GPU, and always in the reference, x is
     quantized per token as it comes, or by the checkpoint's static input_scale;
-    fewer rows on a GPU multiply x as it is."""
+    fewer rows on a GPU multiply x as it is. project() and the MLP hand it the
+    RMSNorm or the SiLU-and-mul before it, to fold into the quantization."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  input_scale: torch.Tensor | None = None) -> None:
@@ -56,6 +57,25 @@ class Fp8Linear(nn.Module):
         if x.is_cuda:
             return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale, self.counts)
         return fp8.fp8_linear_ref(x, self.weight, self.weight_scale, self.bias, self.input_scale)
+
+    def quantizes(self, x: torch.Tensor) -> bool:
+        """Whether this layer would quantize x [tokens, in] per token on a GPU, in one pass over each
+        row; then normed() and gated() make its input and quantize it in one launch."""
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] > fp8.FEW_ROWS and self.input_scale is None
+                and self.weight.shape[1] <= fp8.ONE_PASS)
+
+    def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(rms_norm(x + residual)), the next residual as prenorm gives it), where quantizes(x)."""
+        x_q, x_scale, residual = fp8.rms_norm_quantize(x, norm_weight, eps, residual)
+        return fp8.fp8_quantized_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, x.dtype,
+                                        self.counts), residual
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)), where quantizes() holds for its rows."""
+        x_q, x_scale = fp8.silu_and_mul_quantize(gate_up)
+        return fp8.fp8_quantized_linear(x_q, x_scale, self.weight, self.weight_scale, self.bias, gate_up.dtype,
+                                        self.counts)
 
 
 class Fp8Embedding(nn.Module):
