@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
 from headrace.kernels.activation import silu_and_mul
-from headrace.kernels.dense import DOT_CONFIG, FEW_ROWS, ROW_CONFIG, dense_linear, split_k_tiles
+from headrace.kernels.dense import DOT_CONFIG, FEW_ROWS, dense_linear, row_config, split_k_tiles
 from headrace.kernels.norm import rms_norm
 
 L2_BYTES = 50 * 2**20
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     bw, _ = measure_ceilings(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; kernel up to {FEW_ROWS} rows in the model, "
-          f"configs {ROW_CONFIG} (one row), {DOT_CONFIG}")
+          f"configs by shape (one row: dense.row_config), {DOT_CONFIG}")
     print(f"{'shape':>16} {'M':>3} {'fused us':>9} {'floor us':>9} {'x floor':>8} {'unfused us':>11} "
           f"{'cuBLAS us':>10}")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -76,11 +76,11 @@ def main() -> None:
             steps = graph_call_us([unfused(*w) for w in weights])
             cublas = graph_call_us([(lambda w=w: F.linear(x, w)) for w, _ in weights])
             print(f"{name + ' ' + str(n) + 'x' + str(k):>16} {m:>3} {ours:9.1f} {floor:9.1f} {ours / floor:8.2f} "
-                  f"{steps:11.1f} {cublas:10.1f}")
+                  f"{steps:11.1f} {cublas:10.1f}" + (f"  {row_config(n, k)}" if m == 1 else ""))
             if args.sweep and m in (1, 8):
                 results = []
-                for cfg in itertools.product((4, 8, 16) if m == 1 else (16, 32, 64),
-                                             (256, 512, 1024) if m == 1 else (64, 128, 256), (4,), (1, 3)):
+                for cfg in itertools.product((2, 4, 8, 16) if m == 1 else (16, 32, 64),
+                                             (512, 1024, 2048, 4096) if m == 1 else (64, 128, 256), (4, 8), (1, 3)):
                     try:
                         us = graph_call_us([fused(*w, cfg) for w in weights])
                     except Exception as e:  # a config that does not compile or fit
