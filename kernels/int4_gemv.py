@@ -110,6 +110,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
 # loads are not staged through shared memory when K is split (the programs in flight cover the
 # latency); launches without a split loop long enough for three stages to pay.
 BLOCK_N, BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 64, 128, 4, 8
+_UNROLLED_SUM = 16  # up to this many splits the last program loads their partials at once (sum_splits)
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -133,6 +134,6 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     _int4_gemv_kernel[(tiles, splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, per_split * block_k,
         GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        MAX_SPLITS=triton.next_power_of_2(splits), EVEN_K=k % block_k == 0, ASM=x.is_cuda, BLOCK_N=BLOCK_N,
+        MAX_SPLITS=triton.next_power_of_2(splits) if splits <= _UNROLLED_SUM else 0, EVEN_K=k % block_k == 0, ASM=x.is_cuda, BLOCK_N=BLOCK_N,
         BLOCK_K=block_k, STAGES=stages, num_warps=NUM_WARPS, num_stages=stages, **pdl_args(x.device))
     return out

@@ -126,7 +126,7 @@ def test_every_config_and_split(m, monkeypatch):
 
 # (K, N, G): K = G of a width that is no power of two (its last slice masked); G = 16 (16-wide slices);
 # N leaving a partial tile; on the GPU, the Qwen3-8B o_proj width.
-GEMV_SHAPES = [(256, 40, 128), (40, 96, 40), (200, 72, 200), (128, 40, 16), (512, 130, 64)]
+GEMV_SHAPES = [(256, 40, 128), (40, 96, 40), (200, 72, 200), (128, 40, 16), (512, 130, 64), (640, 40, 16)]
 if DEVICE == "cuda":
     GEMV_SHAPES += [(4096, 1000, 128), (1024, 4096, 1024)]
 
@@ -134,7 +134,7 @@ if DEVICE == "cuda":
 @pytest.mark.parametrize("k,n,g", GEMV_SHAPES)
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
 def test_one_row_gemv(k, n, g, dtype, monkeypatch):
-    """The one-row kernel that int4_linear runs for a single 16-bit row, with K whole or split 3 and 7
+    """The one-row kernel that int4_linear runs for a single 16-bit row, with K whole or split 3, 7 and 20
     ways (and as many as it picks); torch.empty returns NaN-filled memory, so an output or partial
     left unwritten shows, and the split-K counters are back at zero after every call."""
     qweight, scales, zeros = _layer(k, n, g, dtype, seed=k + n + g)
@@ -147,7 +147,7 @@ def test_one_row_gemv(k, n, g, dtype, monkeypatch):
     counts = counters(split_k_tiles(n), DEVICE)
     for b in (None, bias):
         want = int4_linear_ref(x, qweight, scales, zeros, g, b)
-        for split_k in (0, 1, 3, 7):
+        for split_k in (0, 1, 3, 7, 20):  # 20: past the unrolled sum, the loop
             _assert_near(int4_gemv(x, qweight, scales, zeros, g, b, counts, split_k), want, x, w)
             assert not counts.any()
         got = int4_linear(x[None], qweight, scales, zeros, g, b, counts)  # [1, 1, K]: the kernel int4_linear picks
