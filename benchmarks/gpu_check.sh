@@ -30,6 +30,8 @@
 #   single      benchmarks/single_stream.py $SINGLE_ARGS (batch-1 decode on the Qwen3-0.6B shape and the SmolLM2
 #               GGUF beside transformers' static cache under torch.compile; needs gguf and accelerate among the
 #               wheels and the SmolLM2 file already in $HEADRACE_CACHE_DIR/smollm2, as gguf does)
+#   ttft        benchmarks/request_ttft.py $TTFT_ARGS (one request at a time: AsyncEngine, then headrace serve
+#               through httpx and the openai client; needs the http wheels)
 #   pdl         benchmarks/decode_step.py at batch 1 and 8, context 1024, with HEADRACE_FUSED_PROJECTIONS and
 #               HEADRACE_PDL off and on, twice each, in turn
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
@@ -78,6 +80,7 @@ for stage in "$@"; do
     dense) python3 benchmarks/dense_kernel.py ${DENSE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/dense_kernel.log" ;;
     single) python3 benchmarks/single_stream.py ${SINGLE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/single_stream.log" ;;
     startup) python3 benchmarks/startup.py ${STARTUP_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/startup.log" ;;
+    ttft) python3 benchmarks/request_ttft.py ${TTFT_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/request_ttft.log" ;;
     pdl) for run in 1 2; do
            for v in "0 0" "1 0" "0 1" "1 1"; do set -- $v
              echo "--- fused $1, pdl $2" | tee -a "$out/decode_switches.log"
