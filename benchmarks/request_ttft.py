@@ -35,60 +35,66 @@ def report(name: str, seconds: list[float]) -> None:
           f"p90 {ms[int(0.9 * (len(ms) - 1))]:7.2f}", flush=True)
 
 
+async def first_text_seconds(prompts: list[list[int]], stream_of) -> list[float]:
+    """For each prompt in turn: seconds from the call to the first item of stream_of(prompt) (an async
+    iterator of whether each item carries text) that does, the stream read to its end."""
+    out = []
+    for p in prompts:
+        sent, first = time.perf_counter(), None
+        async for has_text in stream_of(p):
+            if first is None and has_text:
+                first = time.perf_counter() - sent
+        out.append(first)
+    return out
+
+
 async def engine_path(model: str, engine_args: dict, prompts: list[list[int]]) -> list[float]:
     from headrace import SamplingParams
     from headrace.frontend.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_model(model, **engine_args)
     params = SamplingParams(max_tokens=2, temperature=0.6, ignore_eos=True)
-    out = []
+
+    async def stream_of(p):
+        async for o in engine.generate({"prompt_token_ids": p}, params):
+            yield bool(o.outputs and o.outputs[0].token_ids)
+
     try:
-        for p in prompts:
-            sent, first = time.perf_counter(), None
-            async for o in engine.generate({"prompt_token_ids": p}, params):
-                if first is None and o.outputs and o.outputs[0].token_ids:
-                    first = time.perf_counter() - sent
-            out.append(first)
+        return await first_text_seconds(prompts, stream_of)
     finally:
         await engine.aclose()
-    return out
 
 
 async def httpx_path(url: str, model: str, prompts: list[list[int]]) -> list[float]:
     import httpx
 
-    out = []
     async with httpx.AsyncClient(timeout=120) as client:
-        for p in prompts:
+        async def stream_of(p):
             body = {"model": model, "prompt": p, "max_tokens": 2, "stream": True, "ignore_eos": True,
                     "temperature": 0.6}
-            sent, first = time.perf_counter(), None
             async with client.stream("POST", url + "/completions", json=body) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
-                    if first is None and line.startswith("data: ") and '"text"' in line:
-                        first = time.perf_counter() - sent
-            out.append(first)
-    return out
+                    yield line.startswith("data: ") and '"text"' in line
+
+        return await first_text_seconds(prompts, stream_of)
 
 
 async def openai_path(url: str, model: str, prompts: list[list[int]]) -> list[float]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="unused")
-    out = []
+
+    async def stream_of(p):
+        stream = await client.completions.create(model=model, prompt=p, max_tokens=2, temperature=0.6, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            yield bool(chunk.choices and chunk.choices[0].text)
+
     try:
-        for p in prompts:
-            sent, first = time.perf_counter(), None
-            stream = await client.completions.create(model=model, prompt=p, max_tokens=2, temperature=0.6,
-                                                     stream=True, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].text:
-                    first = time.perf_counter() - sent
-            out.append(first)
+        return await first_text_seconds(prompts, stream_of)
     finally:
         await client.close()
-    return out
 
 
 def main() -> None:
