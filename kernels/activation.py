@@ -28,6 +28,14 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """float32 gate and up -> silu(gate) * up in dtype, silu(gate) rounded to dtype first (the model's
+    rounding points); shared by every kernel that computes the gated activation."""
+    act = cast_rtne(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    return cast_rtne(act * up, dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, x_stride,
     out_ptr, out_stride,
@@ -41,8 +49,7 @@ def _silu_and_mul_kernel(
     mask = offs < d
     gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + d + offs, mask=mask, other=0.0).to(tl.float32)
-    act = cast_rtne(gate / (1.0 + tl.exp(-gate)), x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + offs, cast_rtne(act * up, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_stride + offs, silu_mul(gate, up, x_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> new [num_tokens, d]

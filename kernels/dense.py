@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from headrace.kernels import splitk
-from headrace.kernels.activation import silu_and_mul_ref
+from headrace.kernels.activation import silu_and_mul_ref, silu_mul
 from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.norm import cast_rtne, prenorm, rms_norm_ref
 from headrace.kernels.splitk import sum_splits
@@ -125,9 +125,8 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
         y = cast_rtne(acc, dtype)  # the projection's output, in the model dtype
         if GATED:
             gate, up = tl.split(tl.reshape(y.to(tl.float32), [BLOCK_M, ROWS // 2, 2]))
-            act = cast_rtne(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
             cols = pid_n * (ROWS // 2) + tl.arange(0, ROWS // 2)
-            tl.store(out_ptr + offs_m[:, None] * N + cols[None, :], cast_rtne(act * up, dtype),
+            tl.store(out_ptr + offs_m[:, None] * N + cols[None, :], silu_mul(gate, up, dtype),
                      mask=mask_m[:, None] & (cols < N)[None, :])
         else:
             tl.store(out_ptr + offs_m[:, None] * N + col[None, :], y, mask=mask_p)

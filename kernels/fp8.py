@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from headrace.kernels import splitk
+from headrace.kernels.activation import silu_mul
 from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.norm import cast_rtne
 from headrace.kernels.splitk import sum_splits
@@ -32,6 +33,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+@triton.jit
+def _quantize_row(y, q_ptr, scale_ptr, row, offs, mask):
+    """A whole row y (float32, masked lanes 0) -> its scale at scale_ptr + row and its E4M3 values at
+    q_ptr + offs, as quantize_rows makes them (an IEEE division, as torch's)."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
+    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+
+
 # Triton: one program per row; a first pass finds the row's largest
 # magnitude, a second scales (an IEEE division, as torch's) and rounds. A row of
 # at most ONE_PASS columns is loaded once and kept in registers for both.
@@ -43,10 +54,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLO
         offs = tl.arange(0, BLOCK)
         mask = offs < cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-        tl.store(scale_ptr + row, scale)
-        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-        tl.store(q_ptr + row * stride_q + offs, q.to(tl.float8e4nv), mask=mask)
+        _quantize_row(x, q_ptr, scale_ptr, row, row * stride_q + offs, mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, cols, BLOCK):
@@ -104,14 +112,9 @@ def _make_and_quantize_kernel(x_ptr, stride_x, res_ptr, w_ptr, eps, q_ptr, scale
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = cast_rtne(w * cast_rtne(xf * rstd, dtype).to(tl.float32), dtype).to(tl.float32)
     else:  # gated: x is gate, up follows it
-        gate = x.to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + cols + offs, mask=mask, other=0.0).to(tl.float32)
-        act = cast_rtne(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
-        y = cast_rtne(act * up, dtype).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
-    tl.store(scale_ptr + row, scale)
-    q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
-    tl.store(q_ptr + row * cols + offs, q.to(tl.float8e4nv), mask=mask)
+        y = silu_mul(x.to(tl.float32), up, dtype).to(tl.float32)
+    _quantize_row(y, q_ptr, scale_ptr, row, row * cols + offs, mask)
 
 
 def _make_and_quantize(x: torch.Tensor, cols: int, norm: tuple[torch.Tensor, float] | None,

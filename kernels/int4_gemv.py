@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
-from headrace.kernels.splitk import counters_for, sum_splits
+from headrace.kernels import splitk
+from headrace.kernels.device import pdl_args, wait_for_previous
+from headrace.kernels.splitk import sum_splits
 
 # (lop3 0xEA: (a & b) | c) the nibble at bits 12..15 or 16..19, with 2^23's exponent field
 _NIBBLE12 = tl.constexpr("lop3.b32 $0, $1, 0x0000F000, 0x4B000000, 0xEA;")
@@ -124,15 +125,10 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     else:  # a power of two dividing G, so every slice lies in one group
         block_k = min(BLOCK_K, group_size & -group_size)
     tiles = triton.cdiv(n, BLOCK_N)
-    slices = triton.cdiv(k, block_k)
-    splits = min(slices, split_k or triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), tiles))
-    per_split = triton.cdiv(slices, splits)
-    splits = triton.cdiv(slices, per_split)
-    part = out if splits == 1 else torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
-    counts = out if splits == 1 else counters_for(counts, tiles, x.device)
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, PROGRAMS_PER_SM, split_k)
     stages = 3 if splits == 1 else 1
     _int4_gemv_kernel[(tiles, splits)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, per_split * block_k,
+        x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, k_per_split,
         GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,
         MAX_SPLITS=triton.next_power_of_2(splits) if splits <= _UNROLLED_SUM else 0, EVEN_K=k % block_k == 0, ASM=x.is_cuda, BLOCK_N=BLOCK_N,
         BLOCK_K=block_k, STAGES=stages, num_warps=NUM_WARPS, num_stages=stages, **pdl_args(x.device))

@@ -52,12 +52,14 @@ def sum_splits(acc, part_ptr, count_ptr, tile, split, num_splits, split_stride, 
 
 
 def plan(tiles: int, k: int, block_k: int, shape: tuple[int, int], out: torch.Tensor, counts: torch.Tensor | None,
-         programs_per_sm: int = 2) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+         programs_per_sm: int = 2, splits: int = 0) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """Split K so that tiles x splits programs fill about programs_per_sm a
-    multiprocessor: (K elements a split, splits, the float32 partials [splits,
+    multiprocessor (or into about `splits` runs, if given: tests and
+    benchmarks): (K elements a split, splits, the float32 partials [splits,
     *shape], the counters). With one split, out stands in for both."""
     slices = triton.cdiv(k, block_k)
-    per_split = triton.cdiv(slices, min(slices, triton.cdiv(programs_per_sm * num_sms(out.device), tiles)))
+    wanted = splits or triton.cdiv(programs_per_sm * num_sms(out.device), tiles)
+    per_split = triton.cdiv(slices, min(slices, wanted))
     splits = triton.cdiv(slices, per_split)
     if splits == 1:
         return per_split * block_k, 1, out, out
