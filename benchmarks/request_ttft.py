@@ -107,6 +107,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.requests <= WARM:
         parser.error(f"--requests must exceed the {WARM} warm-up requests")
+    if args.prompt_len < 1:
+        parser.error("--prompt-len must be at least 1")
+    try:
+        servers = [int(v) for v in args.api_servers.split(",")]
+    except ValueError:
+        parser.error(f"--api-servers takes a comma list of counts, got {args.api_servers!r}")
+    if any(v < 1 for v in servers):
+        parser.error("--api-servers counts must be at least 1")
     import torch
     from benchmarks_common import qwen3_06b_checkpoint
     from serving import api_server
@@ -127,13 +135,13 @@ def main() -> None:
     print(f"{model} on {device}: {args.requests} requests of {args.prompt_len} prompt tokens, one at a time",
           flush=True)
     report("engine (AsyncEngine)", asyncio.run(engine_path(model, engine_args, prompts)))
-    for servers in map(int, args.api_servers.split(",")):
+    for n in servers:
         # serving.api_server's fields; its engine takes max_num_seqs from num_requests, as engine_args above
         serve = SimpleNamespace(model=model, device=device, max_model_len=max_model_len, num_requests=1,
-                                tensor_parallel_size=1, api_servers=servers, data_parallel_size=1)
+                                tensor_parallel_size=1, api_servers=n, data_parallel_size=1)
         with api_server(serve) as url:
-            report(f"httpx, {servers} API server(s)", asyncio.run(httpx_path(url, model, prompts)))
-            report(f"openai, {servers} API server(s)", asyncio.run(openai_path(url, model, prompts)))
+            report(f"httpx, {n} API server(s)", asyncio.run(httpx_path(url, model, prompts)))
+            report(f"openai, {n} API server(s)", asyncio.run(openai_path(url, model, prompts)))
     report("engine (AsyncEngine), again", asyncio.run(engine_path(model, engine_args, prompts)))
 
 
