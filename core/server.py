@@ -104,7 +104,9 @@ class CoreServer:
             self._pull = self._ctx.socket(zmq.PULL)
             self._pull.bind(self._out_address)
             self._inbox: queue.Queue = queue.Queue()
-            self._stop = threading.Event()
+            # A plain flag, not a threading.Event: stop() runs in signal handlers, and Event.set() takes a
+            # lock that a second signal, arriving inside the first handler's set(), would wait on forever.
+            self._stopping = False
             self._exit_reason = "the engine core is shutting down"  # what frontends are told when it stops
             self._io_thread: threading.Thread | None = None
             # internal request id -> (frontend identity, the frontend's request id)
@@ -162,7 +164,8 @@ class CoreServer:
         self._io_thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        """Make the loops end; safe in a signal handler (it takes no lock)."""
+        self._stopping = True
 
     def serve_forever(self, parent_pid: int | None = None) -> None:
         """Run the busy loop until stop() (with parent_pid, also until that
@@ -173,7 +176,7 @@ class CoreServer:
         push.setsockopt(zmq.LINGER, 0)
         push.connect(self._out_address)
         try:
-            while not self._stop.is_set():
+            while not self._stopping:
                 if parent_pid is not None and os.getppid() != parent_pid:
                     logger.warning("parent process %d is gone; shutting down", parent_pid)
                     break
@@ -185,7 +188,7 @@ class CoreServer:
             self._exit_reason = f"the engine core failed: {e}"
             raise
         finally:
-            self._stop.set()
+            self._stopping = True
             push.close()
             if self._io_thread is not None:
                 self._io_thread.join(timeout=5)
@@ -283,7 +286,7 @@ class CoreServer:
         next_beat = time.monotonic()
         num_bad = 0
         try:
-            while not self._stop.is_set():
+            while not self._stopping:
                 events = dict(poller.poll(timeout=int(interval * 1000 / 2)))
                 now = time.monotonic()
                 for fd in [fd for fd in self._exits if fd in events]:
