@@ -67,6 +67,12 @@ def test_dense_linear_float32_split_and_ragged(m, gated, poisoned_empty):
          config=SPLIT if m == 1 else DOT_SPLIT)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_dense_linear_several_slices_a_program(m, poisoned_empty):
+    """Enough weight rows that K is not split: each program walks all four 64-wide slices of K itself."""
+    _run(m, 2176, 256, torch.float16, True, True, False, bias=False, config=SPLIT if m == 1 else DOT_SPLIT)
+
+
 def test_dense_linear_many_rows_refused():
     x = torch.zeros(33, 64, device=DEVICE)
     with pytest.raises(ValueError, match="1 to 32 rows"):
