@@ -12,6 +12,24 @@ import sys
 import time
 
 
+def source_id(root: str | None = None) -> str:
+    """A short hash of the Python source under the project root (every .py
+    file outside hidden folders and .venv, by path and content): it names the
+    code a run measured where a copied tree's git metadata may be stale. The
+    same on a checkout of a commit gives that commit's id."""
+    import hashlib
+    from pathlib import Path
+
+    base = Path(root) if root else Path(__file__).resolve().parent.parent
+    h = hashlib.sha1()
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base)
+        if any(part.startswith(".") or part.endswith(".egg-info") for part in rel.parts[:-1]):
+            continue
+        h.update(str(rel).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:10]
+
+
 def qwen3_06b_checkpoint():
     """The Qwen3-0.6B shape with random bf16 weights, built once and cached:
     hidden 1024, 28 layers, 16 query and 8 KV heads of 128, intermediate

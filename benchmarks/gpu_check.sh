@@ -47,7 +47,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-git log --oneline -1 2>/dev/null || true
+python3 -c 'from benchmarks_common import source_id; print("source", source_id())'  # git metadata may be stale here
 for stage in "$@"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
   case $stage in

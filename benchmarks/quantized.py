@@ -43,7 +43,6 @@ import random
 import re
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -326,12 +325,10 @@ def main() -> None:
         if set(given) - set(known):
             parser.error(f"unknown {sorted(set(given) - set(known))}; choose among {', '.join(known)}")
 
-    from benchmarks_common import measure_ceilings
+    from benchmarks_common import measure_ceilings, source_id
 
-    commit = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
     print(f"{torch.cuda.get_device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"commit {commit}")
+          f"source {source_id()}")
     if {"memory", "decode", "community"} & set(args.parts):
         bw, rate = measure_ceilings(torch.device("cuda"))
         print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
