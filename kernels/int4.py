@@ -18,9 +18,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
+from headrace.kernels import splitk
+from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.int4_gemv import BLOCK_N as GEMV_BLOCK_N, int4_gemv
-from headrace.kernels.splitk import counters_for, sum_splits
+from headrace.kernels.splitk import sum_splits
 
 _SHIFTS = tuple(range(0, 32, 4))  # bit offset of k % 8 within an int32
 
@@ -231,7 +232,7 @@ class _Config(NamedTuple):
     num_warps: int
     num_stages: int
     scale_acc: bool  # scale the dot's result (few rows) rather than the dequantized tile
-    split_k: int = 0  # 0: enough K splits to give every SM about two programs
+    split_k: int = 0  # 0: enough K splits to give every SM about PROGRAMS_PER_SM programs
     max_regs: int | None = None  # registers per thread, so two programs fit on an SM
 
 
@@ -250,6 +251,7 @@ _CONFIGS = (
     (256, _Config(128, 64, 64, 4, 3, False)),
     (None, _Config(128, 128, 64, 8, 3, False, 1, 128)),
 )
+PROGRAMS_PER_SM = 2  # the K splits of a config with split_k 0 aim for this many programs on each SM
 
 
 def _pick_config(m: int) -> _Config:
@@ -268,16 +270,12 @@ def _launch(x: torch.Tensor, qweight, scales, zeros, group_size: int, bias, cfg:
     if group_size != k:
         block_k = min(block_k, group_size & -group_size)  # a power of two dividing G, >= 16
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    k_slices = triton.cdiv(k, block_k)
-    split_k = cfg.split_k or triton.cdiv(2 * num_sms(x.device), tiles)
-    slices_per_split = triton.cdiv(k_slices, min(split_k, k_slices))
-    split_k = triton.cdiv(k_slices, slices_per_split)
-    part = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    counts = out if split_k == 1 else counters_for(counts, tiles, x.device)
-    _int4_linear_kernel[(tiles, split_k)](
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (m, n), out, counts, PROGRAMS_PER_SM,
+                                                    cfg.split_k)
+    _int4_linear_kernel[(tiles, splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, m, n, k,
-        slices_per_split * block_k, x.stride(0), GROUP=0 if group_size == k else group_size,
-        HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % block_k == 0, SCALE_ACC=cfg.scale_acc,
+        k_per_split, x.stride(0), GROUP=0 if group_size == k else group_size,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % block_k == 0, SCALE_ACC=cfg.scale_acc,
         WIDEN16=x.is_cuda and x.dtype != torch.float32, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}), **pdl_args(x.device))
