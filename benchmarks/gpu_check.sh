@@ -34,6 +34,9 @@
 #               through httpx and the openai client; needs the http wheels)
 #   pdl         benchmarks/decode_step.py at batch 1 and 8, context 1024, with HEADRACE_FUSED_PROJECTIONS and
 #               HEADRACE_PDL off and on, twice each, in turn
+#   ab          $AB_CMD (a shell command, run from a tree's root) in this tree and in the copy of the project at
+#               $AB_TREE (say `git archive REV | tar -x -C DIR`, carried along), in turn, $AB_RUNS times each
+#               (default 2): both sides of a comparison on one machine, each named by its source_id
 # Usage: bash benchmarks/gpu_check.sh tests decode throughput
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -88,6 +91,16 @@ for stage in "$@"; do
                --contexts 1024 --steps 32 2>&1 | grep -E "^ +[0-9]+ +[0-9]+ " | tee -a "$out/decode_switches.log"
            done
          done ;;
+    ab) if [ -z "${AB_TREE:-}" ] || [ -z "${AB_CMD:-}" ]; then echo "stage ab needs AB_TREE and AB_CMD"; exit 2; fi
+        other=$(cd "$AB_TREE" && pwd) || exit 2
+        mkdir -p /tmp/hr_ab && ln -sfn "$other" /tmp/hr_ab/headrace
+        for run in $(seq "${AB_RUNS:-2}"); do
+          for side in "$PWD /tmp/hr" "$other /tmp/hr_ab"; do set -- $side
+            (cd "$1" && export PYTHONPATH=$2:/tmp/site:$1/benchmarks &&
+              echo "--- $1 (source $(python3 -c 'from benchmarks_common import source_id; print(source_id())')), run $run" &&
+              bash -c "$AB_CMD") 2>&1 | grep -v -i warn | tee -a "$out/ab.log"
+          done
+        done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
