@@ -13,7 +13,8 @@ F.linear with bf16 weights, timed the same way. err is int4_linear's largest
 difference from int4_linear_ref relative to the largest output. The table's
 config is timed at every M; at one row and from DEQUANTIZE_ROWS rows
 int4_linear runs another path, timed on a line of its own. --sweep also
-times the candidate configs of each M bucket.
+times the candidate configs of each M bucket, and at one row GEMV_SWEEP's
+configs of the one-row kernel.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from benchmarks_common import graph_call_us as per_call_us, measure_ceilings
 
 from headrace.kernels.int4 import DEQUANTIZE_ROWS, _Config, _launch, _pick_config, int4_linear, int4_linear_ref
+from headrace.kernels.int4_gemv import CONFIG as GEMV_CONFIG, int4_gemv
 
 SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]  # (N, K); Qwen3-8B's LM head is 151936x4096
 L2_BYTES = 50 * 2**20
@@ -46,6 +48,9 @@ SWEEP = {
            C(256, 128, 64, 8, 3, False, 1)],
 }
 
+# One-row kernel (kernels/int4_gemv.py) candidates for --sweep: (block_n, block_k, num_warps, programs an SM).
+GEMV_SWEEP = [(64, 128, 4, 4), (64, 128, 4, 12), (64, 128, 4, 16), (64, 64, 4, 8), (128, 128, 4, 8), (32, 128, 2, 8),
+              (64, 128, 2, 8), (128, 64, 4, 8)]
 
 def int4_layers(n: int, k: int, group: int, count: int, gen: torch.Generator):
     """count independent (qweight, scales, zeros) on the GPU, random over the whole 4-bit range."""
@@ -100,6 +105,13 @@ def main() -> None:
                 label = "one-row kernel, kernels/int4_gemv.py" if m == 1 else "dequantize + cuBLAS"
                 print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                       f" {err:8.1e}  {label} (int4_linear)", flush=True)
+            if m == 1 and args.sweep:  # the one-row kernel's candidates
+                for cfg in GEMV_SWEEP:
+                    got = int4_gemv(x, *layers[0], g, None, config=cfg)
+                    e = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                    t = per_call_us([lambda lay=lay: int4_gemv(x, *lay, g, None, config=cfg) for lay in layers])
+                    print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
+                          f" {e:8.1e}  one-row kernel {cfg} (table: {GEMV_CONFIG})", flush=True)
 
 
 if __name__ == "__main__":

@@ -110,26 +110,31 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
 # 64 outputs and 128 of K a program, 4 warps, K split until there are about 8 programs an SM. Their
 # loads are not staged through shared memory when K is split (the programs in flight cover the
 # latency); launches without a split loop long enough for three stages to pay.
-BLOCK_N, BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 64, 128, 4, 8
+CONFIG = (64, 128, 4, 8)  # (BLOCK_N, BLOCK_K, num_warps, programs an SM)
+BLOCK_N = CONFIG[0]
 _UNROLLED_SUM = 16  # up to this many splits the last program loads their partials at once (sum_splits)
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None, counts: torch.Tensor | None = None, split_k: int = 0) -> torch.Tensor:
+              bias: torch.Tensor | None, counts: torch.Tensor | None = None, split_k: int = 0,
+              config: tuple[int, int, int, int] = CONFIG) -> torch.Tensor:
     """int4_linear_ref for x [1, K] (float16 / bfloat16; int4_linear has checked the shapes) -> [1, N].
-    counts: split-K counters for cdiv(N, BLOCK_N) tiles; split_k: the K splits (0: by PROGRAMS_PER_SM)."""
+    counts: split-K counters for cdiv(N, block_n) tiles; split_k: the K splits (0: by the config's programs an
+    SM); config: as CONFIG (benchmarks compare others)."""
+    block_n, block_k, num_warps, programs_per_sm = config
     k, n = x.shape[1], qweight.shape[1]
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if group_size == k:  # one group: any slice width, the last slice masked
-        block_k = min(BLOCK_K, max(8, triton.next_power_of_2(k)))
+        block_k = min(block_k, max(8, triton.next_power_of_2(k)))
     else:  # a power of two dividing G, so every slice lies in one group
-        block_k = min(BLOCK_K, group_size & -group_size)
-    tiles = triton.cdiv(n, BLOCK_N)
-    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, PROGRAMS_PER_SM, split_k)
+        block_k = min(block_k, group_size & -group_size)
+    tiles = triton.cdiv(n, block_n)
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, programs_per_sm, split_k)
     stages = 3 if splits == 1 else 1
     _int4_gemv_kernel[(tiles, splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, k_per_split,
         GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        MAX_SPLITS=triton.next_power_of_2(splits) if splits <= _UNROLLED_SUM else 0, EVEN_K=k % block_k == 0, ASM=x.is_cuda, BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k, STAGES=stages, num_warps=NUM_WARPS, num_stages=stages, **pdl_args(x.device))
+        MAX_SPLITS=triton.next_power_of_2(splits) if splits <= _UNROLLED_SUM else 0, EVEN_K=k % block_k == 0,
+        ASM=x.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps, num_stages=stages,
+        **pdl_args(x.device))
     return out

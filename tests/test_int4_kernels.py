@@ -135,8 +135,8 @@ if DEVICE == "cuda":
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
 def test_one_row_gemv(k, n, g, dtype, monkeypatch):
     """The one-row kernel that int4_linear runs for a single 16-bit row, with K whole or split 3, 7 and 20
-    ways (and as many as it picks); torch.empty returns NaN-filled memory, so an output or partial
-    left unwritten shows, and the split-K counters are back at zero after every call."""
+    ways (and as many as it picks), and in another config; torch.empty returns NaN-filled memory, so an
+    output or partial left unwritten shows, and the split-K counters are back at zero after every call."""
     qweight, scales, zeros = _layer(k, n, g, dtype, seed=k + n + g)
     gen = torch.Generator().manual_seed(k * n)
     x = (torch.randn(1, k, generator=gen) * 4).to(dtype).to(DEVICE)
@@ -150,6 +150,8 @@ def test_one_row_gemv(k, n, g, dtype, monkeypatch):
         for split_k in (0, 1, 3, 7, 20):  # 20: past the unrolled sum, the loop
             _assert_near(int4_gemv(x, qweight, scales, zeros, g, b, counts, split_k), want, x, w)
             assert not counts.any()
+        # another config, as benchmarks/int4_kernel.py --sweep runs them: narrower tiles and slices, 2 warps
+        _assert_near(int4_gemv(x, qweight, scales, zeros, g, b, config=(32, 64, 2, 4)), want, x, w)
         got = int4_linear(x[None], qweight, scales, zeros, g, b, counts)  # [1, 1, K]: the kernel int4_linear picks
         _assert_near(got[0], want, x, w)
 
