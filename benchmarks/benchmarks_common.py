@@ -265,11 +265,12 @@ def core_process(model: str, device: str, *flags: str):
         remove_private_ipc(address, directory)
 
 
-def run_workers(cmd: list[str], jobs: list) -> tuple[float, list]:
+def run_workers(cmd: list[str], jobs: list, on_go=None) -> tuple[float, list]:
     """One process running cmd per job. Each reads its job as a JSON line on
     stdin, gets ready, prints "ready" and waits for a line "go", which all get
-    at once when all are ready; then it prints its answer as a JSON line.
-    Returns (seconds from "go" to the last answer, the answers)."""
+    at once when all are ready (on_go() is called just before); then it prints
+    its answer as a JSON line. Returns (seconds from "go" to the last answer,
+    the answers)."""
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in jobs]
     try:
         for proc, job in zip(procs, jobs):
@@ -278,6 +279,8 @@ def run_workers(cmd: list[str], jobs: list) -> tuple[float, list]:
         for proc in procs:
             if proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a worker process failed to get ready (exit status {proc.poll()})")
+        if on_go is not None:
+            on_go()
         t0 = time.perf_counter()
         for proc in procs:
             proc.stdin.write("go\n")
@@ -304,6 +307,93 @@ def worker_answer(result) -> None:
     data = (json.dumps(result) + "\n").encode()
     while data:
         data = data[os.write(fd, data):]
+
+
+@contextlib.contextmanager
+def host_profile(seconds: float, label: str, deferred: bool = False, rate: int = 100):
+    """Sample this process and every process it starts (cores, API servers, clients) with py-spy for
+    `seconds` (0: not at all) from the block's start, or, if deferred, from when the block calls the
+    function this yields; then print, per kind of process, how busy its Python threads were and the
+    functions where the samples fell. Needs py-spy on PATH (a wheel can be carried); without it, says
+    so and runs the block unprofiled. Busy samples only: time in a call that waits (poll, a lock, a
+    GPU synchronize) does not count."""
+    import shutil
+    import tempfile
+
+    exe = shutil.which("py-spy") if seconds > 0 else None
+    if seconds > 0 and exe is None:
+        print(f"{label}: py-spy not found on PATH; not profiled", flush=True)
+    path = tempfile.mktemp(suffix=".txt", prefix="py-spy-")
+    run: dict = {}  # the py-spy process and when it started
+
+    def start() -> None:
+        if exe is not None and not run:
+            run["proc"] = subprocess.Popen(
+                [exe, "record", "--pid", str(os.getpid()), "--subprocesses", "--nonblocking", "--duration",
+                 str(max(1, round(seconds))), "--rate", str(rate), "--format", "raw", "-o", path],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            run["t0"] = time.perf_counter()
+
+    if not deferred:
+        start()
+    try:
+        yield start
+    finally:
+        if run:
+            covered = min(time.perf_counter() - run["t0"], seconds)
+            proc = run["proc"]
+            try:
+                _, err = proc.communicate(timeout=max(0.0, seconds - covered) + 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if proc.returncode != 0 or not os.path.exists(path):
+                print(f"{label}: py-spy failed: {err.strip()[-500:]}", flush=True)
+            else:
+                print(f"--- host profile of {label} (py-spy, {covered:.1f} s)", flush=True)
+                print("\n".join(profile_summary(path, covered * rate)), flush=True)
+                os.unlink(path)
+
+
+_PROCESS_KINDS = (("headrace.frontend.api.server", "API server"), ("cli core", "engine core"),
+                  ("cli serve", "headrace serve"), ("--http-client", "http client"), ("--frontend", "frontend"))
+
+
+def profile_summary(path: str, samples_per_process: float, top: int = 6) -> list[str]:
+    """py-spy's raw (collapsed) stacks at path -> lines per kind of process: its processes, their mean
+    busy share (samples / samples_per_process), the `top` functions where samples ended (self) and the
+    `top` ones they passed through (within; frames in 90% of the kind's samples or more, such as the
+    event loop's, left out). Line numbers are dropped."""
+    import re
+    from collections import Counter, defaultdict
+
+    within: dict[str, Counter] = defaultdict(Counter)  # kind -> function -> samples
+    leaf: dict[str, Counter] = defaultdict(Counter)
+    totals: Counter = Counter()
+    pids: dict[str, set] = defaultdict(set)
+    text = open(path).read()
+    for stack, count in re.findall(r"(.*?) (\d+)\n", text, flags=re.S):  # a command line may hold newlines
+        frames = stack.split(";")
+        procs = [f for f in frames if f.startswith("process ")]
+        command = procs[-1] if procs else ""
+        kind = next((name for key, name in _PROCESS_KINDS if key in command), "benchmark")
+        fns = [re.sub(r":\d+\)$", ")", f) for f in frames if not f.startswith("process ")]
+        if not fns:
+            continue
+        n = int(count)
+        pids[kind].add(command.split(":", 1)[0])
+        totals[kind] += n
+        leaf[kind][fns[-1]] += n
+        for fn in set(fns):
+            within[kind][fn] += n
+    lines = []
+    for kind, total in totals.most_common():
+        busy = total / max(1.0, samples_per_process) / len(pids[kind])
+        lines.append(f"{kind}: {len(pids[kind])} process(es), busy {100 * busy:.0f}% each on average, {total} samples")
+        for name, counter, cut in (("self", leaf[kind], 1.01), ("within", within[kind], 0.9)):
+            for fn, n in [(f, n) for f, n in counter.most_common() if n < cut * total][:top]:
+                lines.append(f"  {name:6} {100 * n / total:5.1f}%  {fn[:130]}")
+    return lines
 
 
 def graph_call_us(calls: list, replays: int = 10) -> float:

@@ -7,7 +7,7 @@ through the OpenAI-compatible HTTP server with the openai client.
     python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,http,poisson,http-poisson]
         [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--rates 8,24]
         [--tensor-parallel-size 1] [--data-parallel-size 1 (http: serve's cores)]
-        [--repeats 1] [--loop-load MS]
+        [--repeats 1] [--loop-load MS] [--py-spy SECONDS]
         [--device auto] [--model DIR] [--max-prompt 1024] [--max-output 1024] [--json PATH]
 
 Workload (benchmarks_common.workload, as in throughput.py): seed 0; prompts
@@ -65,6 +65,10 @@ the wall time from submitting the first request until the last finished.
 --loop-load MS blocks each frontend process's event loop for MS ms every 10
 ms with a busy Python loop during the burst, scaleout and poisson runs, as a
 busy application would (not in the API servers of http).
+--py-spy SECONDS samples every process (the benchmark, its cores, API
+servers and clients) for the first SECONDS of each poisson and http-poisson
+run (from the clients' "go") with py-spy, which must be on PATH, and prints per kind of process how
+busy its Python threads were and where (benchmarks_common.host_profile).
 """
 from __future__ import annotations
 
@@ -84,8 +88,8 @@ import time
 
 import numpy as np
 
-from benchmarks_common import (ScheduleRecorder, StepFloor, core_process, measure_ceilings, qwen3_06b_checkpoint,
-                               run_workers, worker_answer, workload)
+from benchmarks_common import (ScheduleRecorder, StepFloor, core_process, host_profile, measure_ceilings,
+                               qwen3_06b_checkpoint, run_workers, worker_answer, workload)
 from headrace import AsyncEngine, EngineDeadError, RequestOutputKind, SamplingParams
 from headrace.frontend.async_engine import run
 
@@ -295,7 +299,8 @@ async def spawned_engine_parts(args, prompts, max_tokens) -> dict:
         for part in (p for p in plan if p in args.parts):
             results[part] = []
             for name, measure, arg in plan[part]:
-                results[part].append(await engine.measure(measure, prompts, max_tokens, arg, args.loop_load))
+                with host_profile(args.py_spy if part == "poisson" else 0, name):
+                    results[part].append(await engine.measure(measure, prompts, max_tokens, arg, args.loop_load))
                 log(name, results[part][-1])
     finally:
         await engine.close()
@@ -406,13 +411,13 @@ def http(args, prompts, max_tokens) -> dict:
     n = args.http_clients
     results = {}
     with api_server(args) as url:
-        def clients(arrivals=None) -> dict:
+        def clients(arrivals=None, on_go=None) -> dict:
             jobs = [{"model": args.model, "prompts": prompts[i::n], "max_tokens": max_tokens[i::n]}
                     for i in range(n)]
             if arrivals is not None:
                 for i, job in enumerate(jobs):
                     job["arrivals"] = arrivals[i::n]
-            seconds, answers = run_workers([sys.executable, __file__, "--http-client", url], jobs)
+            seconds, answers = run_workers([sys.executable, __file__, "--http-client", url], jobs, on_go)
             return {"seconds": seconds, "tokens": sum(a["tokens"] for a in answers),
                     "failed_requests": sum(a["failed_requests"] for a in answers),
                     "errors": [e for a in answers for e in a["errors"]][:5],
@@ -425,7 +430,8 @@ def http(args, prompts, max_tokens) -> dict:
         if "http-poisson" in args.parts:
             results["http-poisson"] = []
             for rate in args.rates:
-                r = clients(arrival_times(len(prompts), rate))
+                with host_profile(args.py_spy, f"http-poisson {rate:g} req/s", deferred=True) as go:
+                    r = clients(arrival_times(len(prompts), rate), go)
                 ttft, itl = r.pop("ttft"), r.pop("itl")
                 results["http-poisson"].append({"path": "headrace serve (HTTP)", "rate": rate,
                                                 "requests": len(prompts) - r["failed_requests"], **r,
@@ -570,6 +576,9 @@ def parse_args():
     parser.add_argument("--model", default=None, help="default: the Qwen3-0.6B shape on CUDA, the demo on a CPU")
     parser.add_argument("--max-prompt", type=int, default=1024, help="cut prompts to this many tokens")
     parser.add_argument("--max-output", type=int, default=1024, help="cut max_tokens to this")
+    parser.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                        help="sample every process of each poisson and http-poisson run for its first SECONDS "
+                             "with py-spy (on PATH), and print where each kind's busy time went")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--frontend", default=None, help=argparse.SUPPRESS)  # a scaleout frontend process
     parser.add_argument("--http-client", default=None, help=argparse.SUPPRESS)  # an http client process
