@@ -7,8 +7,8 @@
 #   throughput  benchmarks/throughput.py
 #   logprobs    benchmarks/logprobs_cost.py
 #   streaming   benchmarks/streaming.py
-#   serving     benchmarks/serving.py (in-process peer, bursts, scale-out, HTTP, Poisson arrivals in process and
-#               through HTTP); its http parts
+#   serving     benchmarks/serving.py $SERVING_ARGS (in-process peer, bursts, scale-out, HTTP, Poisson arrivals in
+#               process and through HTTP; --py-spy SECONDS needs py-spy among the wheels); its http parts
 #               need among the wheels starlette, uvicorn, httptools, openai, pydantic, pydantic-core,
 #               jiter, distro, sniffio, annotated-types, typing-inspection (cp312 for the compiled ones;
 #               the machine has httpx, anyio, h11, click and tqdm)
@@ -44,6 +44,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 mkdir -p /tmp/hr && ln -sfn "$PWD" /tmp/hr/headrace
 export PYTHONPATH=/tmp/hr:/tmp/site:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PATH=/tmp/site/bin:$PATH  # the carried wheels' programs (py-spy)
 export HEADRACE_CACHE_DIR=${HEADRACE_CACHE_DIR:-/tmp/headrace-cache}
 # Never NVLink multicast (headrace sets these in the processes it starts, too).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -63,7 +64,7 @@ for stage in "$@"; do
     logprobs) python3 benchmarks/logprobs_cost.py --qwen3-0.6b --device cuda --batch 64 2>&1 | grep -v -i warn \
                 | tee "$out/logprobs_cost.log" ;;
     streaming) python3 benchmarks/streaming.py --device cuda --max-tokens 256 --repeats 5 2>&1 | grep -v -i warn | tee "$out/streaming.log" ;;
-    serving) python3 benchmarks/serving.py --device cuda --repeats 5 --json "$out/serving.json" 2>&1 | grep -v -i warn \
+    serving) python3 benchmarks/serving.py --device cuda --repeats 5 --json "$out/serving.json" ${SERVING_ARGS:-} 2>&1 | grep -v -i warn \
                | tee "$out/serving.log" ;;
     prefill) python3 benchmarks/prefill_step.py --profile 64x512 2>&1 | grep -v -i warn | tee "$out/prefill_step.log" ;;
     gguf) python3 benchmarks/gguf_parity.py --device cuda 2>&1 | grep -v -i warn | tee "$out/gguf_parity.log" ;;
