@@ -323,11 +323,13 @@ def host_profile(seconds: float, label: str, deferred: bool = False, rate: int =
     exe = shutil.which("py-spy") if seconds > 0 else None
     if seconds > 0 and exe is None:
         print(f"{label}: py-spy not found on PATH; not profiled", flush=True)
-    path = tempfile.mktemp(suffix=".txt", prefix="py-spy-")
-    run: dict = {}  # the py-spy process and when it started
+    run: dict = {}  # the py-spy process, its output file and when it started
 
     def start() -> None:
         if exe is not None and not run:
+            fd, path = tempfile.mkstemp(suffix=".txt", prefix="py-spy-")
+            os.close(fd)
+            run["path"] = path
             run["proc"] = subprocess.Popen(
                 [exe, "record", "--pid", str(os.getpid()), "--subprocesses", "--nonblocking", "--duration",
                  str(max(1, round(seconds))), "--rate", str(rate), "--format", "raw", "-o", path],
@@ -341,18 +343,18 @@ def host_profile(seconds: float, label: str, deferred: bool = False, rate: int =
     finally:
         if run:
             covered = min(time.perf_counter() - run["t0"], seconds)
-            proc = run["proc"]
+            proc, path = run["proc"], run["path"]
             try:
                 _, err = proc.communicate(timeout=max(0.0, seconds - covered) + 30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 _, err = proc.communicate()
-            if proc.returncode != 0 or not os.path.exists(path):
+            if proc.returncode != 0 or not os.path.getsize(path):
                 print(f"{label}: py-spy failed: {err.strip()[-500:]}", flush=True)
             else:
                 print(f"--- host profile of {label} (py-spy, {covered:.1f} s)", flush=True)
                 print("\n".join(profile_summary(path, covered * rate)), flush=True)
-                os.unlink(path)
+            os.unlink(path)
 
 
 _PROCESS_KINDS = (("headrace.frontend.api.server", "API server"), ("cli core", "engine core"),
