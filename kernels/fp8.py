@@ -19,7 +19,7 @@ import triton.language as tl
 from headrace.kernels import splitk
 from headrace.kernels.activation import silu_mul
 from headrace.kernels.device import pdl_args, wait_for_previous
-from headrace.kernels.norm import cast_rtne
+from headrace.kernels.norm import add_and_normalize, cast_rtne
 from headrace.kernels.splitk import sum_splits
 
 FP8 = torch.float8_e4m3fn
@@ -103,14 +103,8 @@ def _make_and_quantize_kernel(x_ptr, stride_x, res_ptr, w_ptr, eps, q_ptr, scale
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if NORM:
-        if HAS_RES:
-            r = tl.load(res_ptr + row * cols + offs, mask=mask, other=0.0)
-            x = cast_rtne(x.to(tl.float32) + r.to(tl.float32), dtype)
-            tl.store(res_ptr + row * cols + offs, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / cols + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = cast_rtne(w * cast_rtne(xf * rstd, dtype).to(tl.float32), dtype).to(tl.float32)
+        y = cast_rtne(add_and_normalize(x, res_ptr + row * cols + offs, w_ptr + offs, mask, cols, eps, HAS_RES),
+                      dtype).to(tl.float32)
     else:  # gated: x is gate, up follows it
         up = tl.load(x_ptr + row * stride_x + cols + offs, mask=mask, other=0.0).to(tl.float32)
         y = silu_mul(x.to(tl.float32), up, dtype).to(tl.float32)

@@ -56,6 +56,23 @@ def cast_rtne(x, dtype: tl.constexpr):
     return out
 
 
+@triton.jit
+def add_and_normalize(x, res_ptrs, w_ptrs, mask, hidden, eps, HAS_RESIDUAL: tl.constexpr):
+    """A whole row x (masked lanes 0) -> weight * rmsnorm(x + residual) in float32, before its last cast;
+    with HAS_RESIDUAL, x + residual (at res_ptrs) is written back there. Rounded as rms_norm_ref rounds:
+    torch adds two bf16/fp16 tensors in float32 and rounds once, and the cast to x's dtype before the
+    weight is the model's rounding point. Shared by the norm kernel and the kernels that fold it in."""
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptrs, mask=mask, other=0.0)
+        x = cast_rtne(x.to(tl.float32) + r.to(tl.float32), dtype)
+        tl.store(res_ptrs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    y = cast_rtne(xf * rstd, dtype).to(tl.float32)
+    return tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * y
+
+
 # Triton: one program per row; the whole row is one block held in registers,
 # so the sum of squares and the normalisation are one pass over memory.
 # A row r of a 3-D input [n, m, hidden] (Qwen3's per-head q/k norm over a
@@ -82,22 +99,10 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
 
-    x_row = x_ptr + outer * x_stride0 + inner * x_stride1
-    x = tl.load(x_row + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        res_row = res_ptr + outer * res_stride0 + inner * res_stride1
-        r = tl.load(res_row + offs, mask=mask, other=0.0)
-        # torch adds two bf16/fp16 tensors in float32 and rounds once; so do we.
-        x = cast_rtne(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)
-        tl.store(res_row + offs, x, mask=mask)
-
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / hidden
-    rstd = tl.rsqrt(var + eps)
-    # The cast to x's dtype before the weight is the model's rounding point.
-    y = cast_rtne(xf * rstd, x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * hidden + offs, cast_rtne(w * y, out_ptr.dtype.element_ty), mask=mask)
+    x = tl.load(x_ptr + outer * x_stride0 + inner * x_stride1 + offs, mask=mask, other=0.0)
+    y = add_and_normalize(x, res_ptr + outer * res_stride0 + inner * res_stride1 + offs, w_ptr + offs, mask, hidden,
+                          eps, HAS_RESIDUAL)
+    tl.store(out_ptr + row * hidden + offs, cast_rtne(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int]:
