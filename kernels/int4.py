@@ -20,7 +20,7 @@ import triton.language as tl
 
 from headrace.kernels import splitk
 from headrace.kernels.device import pdl_args, wait_for_previous
-from headrace.kernels.int4_gemv import BLOCK_N as GEMV_BLOCK_N, int4_gemv
+from headrace.kernels.int4_gemv import CONFIG as GEMV_CONFIG, int4_gemv
 from headrace.kernels.splitk import sum_splits
 
 _SHIFTS = tuple(range(0, 32, 4))  # bit offset of k % 8 within an int32
@@ -286,7 +286,7 @@ def split_k_tiles(n: int) -> int:
     """The most output tiles a split-K launch on N features has (its counters, kernels/splitk.py)."""
     return max([triton.cdiv(limit, cfg.block_m) * triton.cdiv(n, cfg.block_n)
                 for limit, cfg in _CONFIGS if limit is not None and limit < DEQUANTIZE_ROWS]
-               + [triton.cdiv(n, GEMV_BLOCK_N)])
+               + [triton.cdiv(n, GEMV_CONFIG[0])])
 
 
 # Triton, for many rows: program (k tile, n tile) writes W^T [BLOCK_K8 * 8, BLOCK_N]

@@ -111,7 +111,6 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
 # loads are not staged through shared memory when K is split (the programs in flight cover the
 # latency); launches without a split loop long enough for three stages to pay.
 CONFIG = (64, 128, 4, 8)  # (BLOCK_N, BLOCK_K, num_warps, programs an SM)
-BLOCK_N = CONFIG[0]
 _UNROLLED_SUM = 16  # up to this many splits the last program loads their partials at once (sum_splits)
 
 
