@@ -590,6 +590,8 @@ def parse_args():
     missing = [m for m in ("openai", "starlette", "uvicorn", "httptools") if importlib.util.find_spec(m) is None]
     if set(HTTP_PARTS) & set(args.parts) and missing:
         parser.error(f"the http part needs {', '.join(missing)} (and their dependencies); or leave it out of --parts")
+    if not args.py_spy >= 0:
+        parser.error(f"--py-spy takes seconds >= 0, got {args.py_spy}")
     args.rates = [float(r) for r in args.rates.split(",")]
     return args
 
