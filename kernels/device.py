@@ -38,7 +38,9 @@ def pdl_args(device: torch.device) -> dict:
 def wait_for_previous(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL: pdl() held at launch), wait until the
     kernel before has finished and its writes are visible, then let the next kernel
-    start its launch. A kernel calls this before it reads or writes any memory."""
+    start its launch. A kernel calls this before it writes any memory, and before it
+    reads any that a kernel may write: what none writes (weights) it may read first,
+    overlapping the previous kernel's tail."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -48,52 +48,70 @@ def _x_at(x_ptr, offs, in_k, J: tl.constexpr):
     return tl.load(x_ptr + offs + J, mask=in_k, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _load_slice(qw_ptr, s_ptr, z_ptr, k0, k_end, r, offs_n, mask_n, N, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weights of the slice at k0: (qw [BLOCK_K // 8, BLOCK_N] int32, zero, scale [1, BLOCK_N] float32)."""
+    in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0  # [BLOCK_K // 8] int32 rows inside the split
+    qw = tl.load(qw_ptr + (k0 // 8 + r)[:, None].to(tl.int64) * N + offs_n[None, :],
+                 mask=in_k[:, None] & mask_n[None, :], other=0)
+    g = (k0 // GROUP if GROUP else 0) * N + offs_n
+    zero = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    scale = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    return qw, zero, scale
+
+
+@triton.jit
+def _add_slice(acc, qw, zero, scale, x_ptr, k0, k_end, r, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """acc [BLOCK_K // 8, BLOCK_N] plus the slice at k0's sums, each int32 row's kept apart."""
+    in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0
+    offs_x = k0 + r * 8
+    x0, x1 = _x_at(x_ptr, offs_x, in_k, 0), _x_at(x_ptr, offs_x, in_k, 1)
+    x2, x3 = _x_at(x_ptr, offs_x, in_k, 2), _x_at(x_ptr, offs_x, in_k, 3)
+    x4, x5 = _x_at(x_ptr, offs_x, in_k, 4), _x_at(x_ptr, offs_x, in_k, 5)
+    x6, x7 = _x_at(x_ptr, offs_x, in_k, 6), _x_at(x_ptr, offs_x, in_k, 7)
+    at16 = (x0 + x2) + (x4 + x6)  # the x_j of nibbles placed at bit 16 (offset 2^7)
+    at12 = (x1 + x3) + (x5 + x7)  # and at bit 12 (offset 2^11)
+    offset = at16 * 128.0 + at12 * 2048.0
+    row = -(offset[:, None] + zero * (at16 + at12)[:, None])  # [BLOCK_K // 8, BLOCK_N]
+    u16: tl.constexpr = 2.0 ** -16
+    u12: tl.constexpr = 2.0 ** -12
+    row = tl.fma(_factor(qw << 16, 16, ASM), (x0 * u16)[:, None], row)
+    word = qw << 8
+    row = tl.fma(_factor(word, 12, ASM), (x1 * u12)[:, None], row)
+    row = tl.fma(_factor(word, 16, ASM), (x2 * u16)[:, None], row)
+    row = tl.fma(_factor(qw, 12, ASM), (x3 * u12)[:, None], row)
+    row = tl.fma(_factor(qw, 16, ASM), (x4 * u16)[:, None], row)
+    word = qw >> 8
+    row = tl.fma(_factor(word, 12, ASM), (x5 * u12)[:, None], row)
+    row = tl.fma(_factor(word, 16, ASM), (x6 * u16)[:, None], row)
+    row = tl.fma(_factor(qw >> 16, 12, ASM), (x7 * u12)[:, None], row)
+    return tl.fma(row, scale, acc)
+
+
 # Program (n tile, split) adds its split's run of BLOCK_K-wide slices of K (each in one group) for
 # BLOCK_N outputs, as a [BLOCK_K // 8, BLOCK_N] tile of sums kept per int32 row until the end.
 # Nibble j of an int32 is at bit 4 j: j = 0 goes to bit 16 (<< 16), 1 and 2 to 12 and 16 (<< 8),
 # 3 and 4 are in place, 5 and 6 go to 12 and 16 (>> 8), 7 to 12 (>> 16).
+# The first slice's weights are loaded before wait_for_previous: no kernel writes them, and with
+# PDL the programs start during the previous kernel, so those loads overlap its tail.
 @triton.jit
 def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
                       EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       STAGES: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     r = tl.arange(0, BLOCK_K // 8)
-    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0  # [BLOCK_K // 8] int32 rows inside the split
-        qw = tl.load(qw_ptr + (k0 // 8 + r)[:, None].to(tl.int64) * N + offs_n[None, :],
-                     mask=in_k[:, None] & mask_n[None, :], other=0)
-        g = (k0 // GROUP if GROUP else 0) * N + offs_n
-        zero = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        scale = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        offs_x = k0 + r * 8
-        x0, x1 = _x_at(x_ptr, offs_x, in_k, 0), _x_at(x_ptr, offs_x, in_k, 1)
-        x2, x3 = _x_at(x_ptr, offs_x, in_k, 2), _x_at(x_ptr, offs_x, in_k, 3)
-        x4, x5 = _x_at(x_ptr, offs_x, in_k, 4), _x_at(x_ptr, offs_x, in_k, 5)
-        x6, x7 = _x_at(x_ptr, offs_x, in_k, 6), _x_at(x_ptr, offs_x, in_k, 7)
-        at16 = (x0 + x2) + (x4 + x6)  # the x_j of nibbles placed at bit 16 (offset 2^7)
-        at12 = (x1 + x3) + (x5 + x7)  # and at bit 12 (offset 2^11)
-        offset = at16 * 128.0 + at12 * 2048.0
-        row = -(offset[:, None] + zero * (at16 + at12)[:, None])  # [BLOCK_K // 8, BLOCK_N]
-        u16: tl.constexpr = 2.0 ** -16
-        u12: tl.constexpr = 2.0 ** -12
-        row = tl.fma(_factor(qw << 16, 16, ASM), (x0 * u16)[:, None], row)
-        word = qw << 8
-        row = tl.fma(_factor(word, 12, ASM), (x1 * u12)[:, None], row)
-        row = tl.fma(_factor(word, 16, ASM), (x2 * u16)[:, None], row)
-        row = tl.fma(_factor(qw, 12, ASM), (x3 * u12)[:, None], row)
-        row = tl.fma(_factor(qw, 16, ASM), (x4 * u16)[:, None], row)
-        word = qw >> 8
-        row = tl.fma(_factor(word, 12, ASM), (x5 * u12)[:, None], row)
-        row = tl.fma(_factor(word, 16, ASM), (x6 * u16)[:, None], row)
-        row = tl.fma(_factor(qw >> 16, 12, ASM), (x7 * u12)[:, None], row)
-        acc = tl.fma(row, scale, acc)
+    qw, zero, scale = _load_slice(qw_ptr, s_ptr, z_ptr, k_start, k_end, r, offs_n, mask_n, N, GROUP, EVEN_K)
+    wait_for_previous(PDL)
+    acc = _add_slice(tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32), qw, zero, scale, x_ptr, k_start, k_end, r,
+                     EVEN_K, ASM)
+    for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=STAGES):
+        qw, zero, scale = _load_slice(qw_ptr, s_ptr, z_ptr, k0, k_end, r, offs_n, mask_n, N, GROUP, EVEN_K)
+        acc = _add_slice(acc, qw, zero, scale, x_ptr, k0, k_end, r, EVEN_K, ASM)
     total = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_N]
     offs, mask = offs_n[None, :], mask_n[None, :]
     last = True
