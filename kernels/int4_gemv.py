@@ -7,15 +7,15 @@ each dequantized tile through shared memory; this kernel instead turns each
 sum with one FMA, and every program reads its weights with no stage between.
 
 The trick: a nibble q placed at bits p..p+3 of a float32 whose exponent field
-says 2^23 (0x4B000000) is the float 2^23 + q 2^p = 2^p (2^(23 - p) + q), exactly.
-With p = 12 or 16 (from at most one shift of the int32), one FMA with x_j 2^-p
-adds (2^(23 - p) + q) x_j: the weight plus a known offset of 2^11 or 2^7 times
-x_j. Each row of a tile starts its sum at -(sum_j offset_j x_j + zero sum_j x_j),
-so after the eight FMAs it holds sum_j (q_j - zero) x_j; the group's scale
-multiplies that once. The offsets cost precision only against float32 inputs
-(float32 keeps the tl.dot kernel): in a 16-bit model the sums stay within a few
-float32 ulps of 2^11 |x|, far below the 16-bit rounding of W and y that the
-reference makes.
+says 2^(23 - p) is the float 2^(23 - p) (1 + q 2^p 2^-23) = 2^(23 - p) + q,
+exactly. With p = 12 or 16 (after at most one shift of the int32, or a swap of
+its halves), one FMA with x_j adds (2^(23 - p) + q) x_j: the weight plus a known
+offset of 2^11 or 2^7 times x_j. Each row of a tile starts its sum at -(sum_j
+offset_j x_j + zero sum_j x_j), so after the eight FMAs it holds sum_j (q_j -
+zero) x_j; the group's scale multiplies that once. The offsets cost precision
+only against float32 inputs (float32 keeps the tl.dot kernel): in a 16-bit model
+the sums stay within a few float32 ulps of 2^11 |x|, far below the 16-bit
+rounding of W and y that the reference makes.
 """
 from __future__ import annotations
 
@@ -27,25 +27,31 @@ from headrace.kernels import splitk
 from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.splitk import sum_splits
 
-# (lop3 0xEA: (a & b) | c) the nibble at bits 12..15 or 16..19, with 2^23's exponent field
-_NIBBLE12 = tl.constexpr("lop3.b32 $0, $1, 0x0000F000, 0x4B000000, 0xEA;")
-_NIBBLE16 = tl.constexpr("lop3.b32 $0, $1, 0x000F0000, 0x4B000000, 0xEA;")
+# (lop3 0xEA: (a & b) | c) the nibble at bits 12..15 or 16..19, with 2^11's or 2^7's exponent field
+_NIBBLE12 = tl.constexpr("lop3.b32 $0, $1, 0x0000F000, 0x45000000, 0xEA;")
+_NIBBLE16 = tl.constexpr("lop3.b32 $0, $1, 0x000F0000, 0x43000000, 0xEA;")
 
 
 @triton.jit
 def _factor(word, P: tl.constexpr, ASM: tl.constexpr):
-    """int32 word -> float32 2^P (2^(23 - P) + the nibble at bits P..P+3), P = 12 or 16."""
+    """int32 word -> float32 2^(23 - P) + the nibble at bits P..P+3, P = 12 or 16."""
     if ASM:  # one instruction; Triton's and + or come out as two
         asm: tl.constexpr = _NIBBLE12 if P == 12 else _NIBBLE16
         bits = tl.inline_asm_elementwise(asm, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
     else:  # the interpreter runs no PTX
-        bits = (word & (0xF << P)) | 0x4B000000
+        bits = (word & (0xF << P)) | ((150 - P) << 23)
     return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _x_at(x_ptr, offs, in_k, J: tl.constexpr):
-    return tl.load(x_ptr + offs + J, mask=in_k, other=0.0).to(tl.float32)
+def _rot16(word, ASM: tl.constexpr):
+    """word with its halves swapped: bits 0..3 to 16..19, bits 28..31 to 12..15."""
+    if ASM:  # one byte permute
+        word = tl.inline_asm_elementwise("prmt.b32 $0, $1, $1, 0x1032;", "=r,r", [word], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        word = (word << 16) | ((word >> 16) & 0xFFFF)
+    return word
 
 
 @triton.jit
@@ -61,6 +67,11 @@ def _load_slice(qw_ptr, s_ptr, z_ptr, k0, k_end, r, offs_n, mask_n, N, GROUP: tl
 
 
 @triton.jit
+def _x_at(x_ptr, offs, in_k, J: tl.constexpr):
+    return tl.load(x_ptr + offs + J, mask=in_k, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _add_slice(acc, qw, zero, scale, x_ptr, k0, k_end, r, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """acc [BLOCK_K // 8, BLOCK_N] plus the slice at k0's sums, each int32 row's kept apart."""
     in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0
@@ -73,25 +84,24 @@ def _add_slice(acc, qw, zero, scale, x_ptr, k0, k_end, r, EVEN_K: tl.constexpr, 
     at12 = (x1 + x3) + (x5 + x7)  # and at bit 12 (offset 2^11)
     offset = at16 * 128.0 + at12 * 2048.0
     row = -(offset[:, None] + zero * (at16 + at12)[:, None])  # [BLOCK_K // 8, BLOCK_N]
-    u16: tl.constexpr = 2.0 ** -16
-    u12: tl.constexpr = 2.0 ** -12
-    row = tl.fma(_factor(qw << 16, 16, ASM), (x0 * u16)[:, None], row)
+    word = _rot16(qw, ASM)
+    row = tl.fma(_factor(word, 16, ASM), x0[:, None], row)
+    row = tl.fma(_factor(word, 12, ASM), x7[:, None], row)
     word = qw << 8
-    row = tl.fma(_factor(word, 12, ASM), (x1 * u12)[:, None], row)
-    row = tl.fma(_factor(word, 16, ASM), (x2 * u16)[:, None], row)
-    row = tl.fma(_factor(qw, 12, ASM), (x3 * u12)[:, None], row)
-    row = tl.fma(_factor(qw, 16, ASM), (x4 * u16)[:, None], row)
+    row = tl.fma(_factor(word, 12, ASM), x1[:, None], row)
+    row = tl.fma(_factor(word, 16, ASM), x2[:, None], row)
+    row = tl.fma(_factor(qw, 12, ASM), x3[:, None], row)
+    row = tl.fma(_factor(qw, 16, ASM), x4[:, None], row)
     word = qw >> 8
-    row = tl.fma(_factor(word, 12, ASM), (x5 * u12)[:, None], row)
-    row = tl.fma(_factor(word, 16, ASM), (x6 * u16)[:, None], row)
-    row = tl.fma(_factor(qw >> 16, 12, ASM), (x7 * u12)[:, None], row)
+    row = tl.fma(_factor(word, 12, ASM), x5[:, None], row)
+    row = tl.fma(_factor(word, 16, ASM), x6[:, None], row)
     return tl.fma(row, scale, acc)
 
 
 # Program (n tile, split) adds its split's run of BLOCK_K-wide slices of K (each in one group) for
 # BLOCK_N outputs, as a [BLOCK_K // 8, BLOCK_N] tile of sums kept per int32 row until the end.
-# Nibble j of an int32 is at bit 4 j: j = 0 goes to bit 16 (<< 16), 1 and 2 to 12 and 16 (<< 8),
-# 3 and 4 are in place, 5 and 6 go to 12 and 16 (>> 8), 7 to 12 (>> 16).
+# Nibble j of an int32 is at bit 4 j: j = 0 and 7 go to bits 16 and 12 (halves swapped), 1 and 2 to
+# 12 and 16 (<< 8), 3 and 4 are in place, 5 and 6 go to 12 and 16 (>> 8).
 # The first slice's weights are loaded before wait_for_previous: no kernel writes them, and with
 # PDL the programs start during the previous kernel, so those loads overlap its tail.
 @triton.jit
