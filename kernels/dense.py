@@ -62,36 +62,13 @@ def _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, mask, K, WRIT
     return cast_rtne(nw[None, :] * cast_rtne(x.to(tl.float32) * rstd[:, None], dtype).to(tl.float32), dtype)
 
 
-@triton.jit
-def _load_w(w_ptr, w_row, mask_r, offs_k, in_k, K, EVEN_K: tl.constexpr):
-    """The weight tile [ROWS, BLOCK_K] of rows w_row at offs_k."""
-    w_ptrs = w_ptr + w_row[:, None].to(tl.int64) * K + offs_k[None, :]
-    if EVEN_K:
-        return tl.load(w_ptrs, mask=mask_r[:, None], other=0.0)
-    return tl.load(w_ptrs, mask=mask_r[:, None] & in_k[None, :], other=0.0)
-
-
-@triton.jit
-def _add_tile(acc, w, x_ptr, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, mask_m, offs_k, in_k, K, stride_xm, write_res,
-              NORM: tl.constexpr, HAS_RES: tl.constexpr, DOT: tl.constexpr):
-    """acc [BLOCK_M, ROWS] plus the rows' x (normalised if NORM) at offs_k times the tile w."""
-    x_mask = mask_m[:, None] & in_k[None, :]
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-    if NORM:
-        x = _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, x_mask, K, write_res, HAS_RES)
-    if DOT:
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee" if x.dtype == tl.float32 else None)
-    else:  # one row
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
 def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                   M, N, K, k_per_split, stride_xm,
                   NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                   DOT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                   BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    wait_for_previous(PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -104,39 +81,38 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
         col = pid_n * ROWS + r
         w_row = col
     mask_r = col < N
-    k_start = split * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    in_k = offs_k < k_end
-    # At one row the first weight tile is loaded before wait_for_previous: no kernel writes the
-    # weights, and with PDL the programs start during the previous kernel, so the load overlaps its
-    # tail. (tl.dot's larger tiles, held across the norm's pass, would spill.)
-    if not DOT:
-        w = _load_w(w_ptr, w_row, mask_r, offs_k, in_k, K, EVEN_K)
-    wait_for_previous(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # the rows' sum of squares over all of K
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, NORM_BLOCK):
-            offs_nk = k0 + tl.arange(0, NORM_BLOCK)
-            mask = mask_m[:, None] & (offs_nk < K)[None, :]
-            s = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_nk[None, :], mask=mask, other=0.0)
+            offs_k = k0 + tl.arange(0, NORM_BLOCK)
+            mask = mask_m[:, None] & (offs_k < K)[None, :]
+            s = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
             if HAS_RES:
-                res = tl.load(res_ptr + offs_m[:, None] * K + offs_nk[None, :], mask=mask, other=0.0)
+                res = tl.load(res_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
                 s = cast_rtne(s.to(tl.float32) + res.to(tl.float32), dtype)
             s = s.to(tl.float32)
             ss += tl.sum(s * s, axis=1)
         rstd = tl.rsqrt(ss / K + eps)
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
-    if not DOT:
-        acc = _add_tile(acc, w, x_ptr, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, mask_m, offs_k, in_k, K, stride_xm,
-                        pid_n == 0, NORM, HAS_RES, DOT)
-    for k0 in range(k_start + BLOCK_K if not DOT else k_start, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         in_k = offs_k < k_end
-        w = _load_w(w_ptr, w_row, mask_r, offs_k, in_k, K, EVEN_K)
-        acc = _add_tile(acc, w, x_ptr, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, mask_m, offs_k, in_k, K, stride_xm,
-                        pid_n == 0, NORM, HAS_RES, DOT)
+        x_mask = mask_m[:, None] & in_k[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+        if NORM:
+            x = _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, x_mask, K, pid_n == 0, HAS_RES)
+        w_ptrs = w_ptr + w_row[:, None].to(tl.int64) * K + offs_k[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_r[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=mask_r[:, None] & in_k[None, :], other=0.0)
+        if DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee" if x.dtype == tl.float32 else None)
+        else:  # one row
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
     width = 2 * N if GATED else N  # of the float32 partials, gated columns interleaved as the rows are
     offs_p = offs_m[:, None] * width + (pid_n * ROWS + r)[None, :]
     mask_p = mask_m[:, None] & mask_r[None, :]
