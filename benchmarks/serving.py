@@ -55,6 +55,14 @@ Parts:
   and ITL as poisson measures them. Target: TTFT p99 and ITL p99 within 1.5x
   of poisson's at the same rate.
 
+Both Poisson parts also split the mean TTFT: the client's, against the
+frontends' own (from a request's arrival at its frontend, after tokenizing,
+to the core sampling its first token; of that, queued before its first step,
+then prefilling), read from AsyncEngine's stats or the server's /metrics
+before and after the run. What the client's mean has beyond the frontends'
+is the way in before arrival and the way out after the core (for HTTP: the
+request's sending and parsing, the output's detokenizing, SSE and parsing).
+
 burst, burst-logprobs and poisson share one spawned engine (a new one after
 an EngineDeadError), run before scaleout starts its core, and the server of
 http starts after that. Before each timed run the engine serves the same
@@ -85,6 +93,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 
@@ -92,6 +101,7 @@ from benchmarks_common import (ScheduleRecorder, StepFloor, core_process, host_p
                                qwen3_06b_checkpoint, run_workers, worker_answer, workload)
 from headrace import AsyncEngine, EngineDeadError, RequestOutputKind, SamplingParams
 from headrace.frontend.async_engine import run
+from headrace.metrics.names import PREFILL_TIME, QUEUE_TIME, TIME_TO_FIRST_TOKEN
 
 PARTS = ("inproc", "burst", "burst-logprobs", "scaleout", "http", "poisson", "http-poisson")
 HTTP_PARTS = ("http", "http-poisson")
@@ -236,6 +246,46 @@ class Latencies:
         return now
 
 
+# FrontendStats' histograms of a request's way to its first token: from arrival at the frontend to the core
+# sampling it; of that, queued before its first step; then prefilling.
+SPANS = {"ttft": TIME_TO_FIRST_TOKEN, "queue": QUEUE_TIME, "prefill": PREFILL_TIME}
+
+
+def stats_totals(stats) -> dict:
+    """{span: (seconds summed, requests)} of one frontend's FrontendStats."""
+    snap = stats.snapshot()
+    return {k: (getattr(snap, k).sum, getattr(snap, k).count) for k in SPANS}
+
+
+def page_totals(metrics_url: str) -> dict:
+    """{span: (seconds summed, requests)} over every frontend on a /metrics page (headrace serve's
+    merges its API servers')."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as page:
+        text = page.read().decode()
+    span_of = {m.name: k for k, m in SPANS.items()}
+    totals = {k: [0.0, 0] for k in SPANS}
+    for family in text_string_to_metric_families(text):
+        k = span_of.get(family.name)
+        for sample in family.samples if k is not None else ():
+            if sample.name.endswith("_sum"):
+                totals[k][0] += sample.value
+            elif sample.name.endswith("_count"):
+                totals[k][1] += int(sample.value)
+    return {k: tuple(v) for k, v in totals.items()}
+
+
+def span_means(before: dict, after: dict) -> dict:
+    """{span: mean ms} of the requests counted between two totals (None where none were)."""
+    return {k: (1e3 * (after[k][0] - before[k][0]) / (after[k][1] - before[k][1])
+                if after[k][1] > before[k][1] else None) for k in SPANS}
+
+
+def mean_ms(seconds: list[float]) -> float | None:
+    return 1e3 * statistics.fmean(seconds) if seconds else None
+
+
 async def poisson(engine, prompts, max_tokens, rate: float, load_ms: float) -> dict:
     await warm_up(engine, prompts, None)
     arrivals = arrival_times(len(prompts), rate)
@@ -253,12 +303,14 @@ async def poisson(engine, prompts, max_tokens, rate: float, load_ms: float) -> d
         return tokens, 0
 
     async with loop_load(load_ms):
+        before = stats_totals(engine.frontend_stats)
         start = time.perf_counter()
         counts = await asyncio.gather(*map(request, prompts, max_tokens, arrivals))
         seconds = time.perf_counter() - start
     tokens, dead = (sum(c) for c in zip(*counts))
     return {"path": "AsyncEngine", "rate": rate, "requests": len(prompts) - dead, "tokens": tokens,
-            "seconds": seconds, "dead_streams": dead, "ttft_ms": percentiles(lat.ttft), "itl_ms": percentiles(lat.itl)}
+            "seconds": seconds, "dead_streams": dead, "ttft_ms": percentiles(lat.ttft), "itl_ms": percentiles(lat.itl),
+            "ttft_mean_ms": mean_ms(lat.ttft), "frontend_ms": span_means(before, stats_totals(engine.frontend_stats))}
 
 
 class SpawnedEngine:
@@ -274,8 +326,10 @@ class SpawnedEngine:
         if self.engine is None:
             a = self.args
             self.stack = contextlib.AsyncExitStack()
-            self.engine = await self.stack.enter_async_context(AsyncEngine.from_model(a.model,
-                                                                                      **engine_options(a)))
+            from prometheus_client import CollectorRegistry  # for the frontend's stats (poisson's spans)
+
+            self.engine = await self.stack.enter_async_context(AsyncEngine.from_model(
+                a.model, metrics_registry=CollectorRegistry(), **engine_options(a)))
         result = await part(self.engine, *part_args)
         if result["dead_streams"]:
             await self.close()
@@ -430,13 +484,19 @@ def http(args, prompts, max_tokens) -> dict:
         if "http-poisson" in args.parts:
             results["http-poisson"] = []
             for rate in args.rates:
+                metrics_url = url.removesuffix("/v1") + "/metrics"
+                totals = {}
                 with host_profile(args.py_spy, f"http-poisson {rate:g} req/s", deferred=True) as go:
-                    r = clients(arrival_times(len(prompts), rate), go)
+                    def on_go():
+                        totals["before"] = page_totals(metrics_url)
+                        go()
+                    r = clients(arrival_times(len(prompts), rate), on_go)
                 ttft, itl = r.pop("ttft"), r.pop("itl")
                 results["http-poisson"].append({"path": "headrace serve (HTTP)", "rate": rate,
                                                 "requests": len(prompts) - r["failed_requests"], **r,
-                                                "ttft_ms": percentiles(ttft),
-                                                "itl_ms": percentiles(itl)})
+                                                "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
+                                                "ttft_mean_ms": mean_ms(ttft),
+                                                "frontend_ms": span_means(totals["before"], page_totals(metrics_url))})
                 log(f"http-poisson {rate:g} req/s", results["http-poisson"][-1])
     return results
 
@@ -550,10 +610,14 @@ def print_tables(paths: list[dict], poisson_results: list[dict]) -> None:
             print(f"| {r['path']} | {fmt(r['tok_s'], '.0f')} | {fmt(r['ratio'], '.3f')} | {r['notes']} |")
     if poisson_results:
         print("\n| path | rate req/s | requests | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
-              "| notes |\n| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+              "| TTFT mean ms: client / frontend (queued + prefill) | notes |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
         for r in sorted(poisson_results, key=lambda r: r["rate"]):
             ttft, itl = (" / ".join(f"{v:.1f}" for v in p) if p else "-" for p in (r["ttft_ms"], r["itl_ms"]))
-            print(f"| {r['path']} | {r['rate']:g} | {r['requests']} | {r['tok_s']:.0f} | {ttft} | {itl} "
+            f = r["frontend_ms"]
+            means = (f"{fmt(r['ttft_mean_ms'], '.1f')} / {fmt(f['ttft'], '.1f')} "
+                     f"({fmt(f['queue'], '.1f')} + {fmt(f['prefill'], '.1f')})")
+            print(f"| {r['path']} | {r['rate']:g} | {r['requests']} | {r['tok_s']:.0f} | {ttft} | {itl} | {means} "
                   f"| {r['notes']} |")
 
 
