@@ -5,7 +5,8 @@ latency of requests that arrive as a Poisson process; and the same burst
 through the OpenAI-compatible HTTP server with the openai client.
 
     python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,http,poisson,http-poisson]
-        [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--rates 8,24]
+        [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--client openai|httpx]
+        [--rates 8,24]
         [--tensor-parallel-size 1] [--data-parallel-size 1 (http: serve's cores)]
         [--repeats 1] [--loop-load MS] [--py-spy SECONDS]
         [--device auto] [--model DIR] [--max-prompt 1024] [--max-output 1024] [--json PATH]
@@ -37,7 +38,9 @@ Parts:
   --http-clients processes, each its share of the requests at once with the
   openai client's AsyncOpenAI: one streamed /v1/completions each (token-id
   prompt, ignore_eos and return_token_ids as extra body fields, usage in the
-  last chunk). A request counts its chunks' token ids; one that errs, or gets
+  last chunk); with --client httpx, a bare httpx client that parses each
+  chunk's line with json instead, which sets what the openai client costs
+  apart from the server. A request counts its chunks' token ids; one that errs, or gets
   other than its max_tokens there or in its usage, counts as failed. The client parses every
   chunk with pydantic, so one client process would bound the figure; the
   processes are timed as scaleout's. Target: at least 0.9 of burst's tok/s.
@@ -389,7 +392,7 @@ def scale_out(args, prompts, max_tokens) -> list[dict]:
     return results
 
 
-# ---- http: `headrace serve` and openai client processes ----
+# ---- http: `headrace serve` and client processes (openai or httpx) ----
 
 @contextlib.contextmanager
 def api_server(args):
@@ -417,9 +420,37 @@ def api_server(args):
             proc.wait()
 
 
-async def http_requests(client, model: str, prompts, max_tokens, arrivals=None) -> dict:
-    """One streamed completion each, sent at its arrival time (seconds from now; None: all
-    at once): output tokens (each chunk's token_ids, checked against the usage chunk's
+def openai_chunks(client, model: str):
+    """stream(prompt, max_tokens): the openai client's streamed completion, as (token ids, usage tokens or None)
+    per chunk."""
+    async def stream(prompt, m):
+        chunks = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=m, temperature=0.6, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for chunk in chunks:
+            k = len(chunk.choices[0].model_extra["token_ids"]) if chunk.choices else 0
+            yield k, (chunk.usage.completion_tokens if chunk.usage else None)
+    return stream
+
+
+def httpx_chunks(client, url: str, model: str):
+    """As openai_chunks, through a bare httpx client: each SSE data line parsed with json, nothing more."""
+    async def stream(prompt, m):
+        body = {"model": model, "prompt": prompt, "max_tokens": m, "temperature": 0.6, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
+        async with client.stream("POST", url + "/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    k = len(chunk["choices"][0]["token_ids"]) if chunk["choices"] else 0
+                    yield k, (chunk["usage"]["completion_tokens"] if chunk.get("usage") else None)
+    return stream
+
+
+async def http_requests(stream, prompts, max_tokens, arrivals=None) -> dict:
+    """One streamed completion each (stream: openai_chunks or httpx_chunks), sent at its arrival time (seconds
+    from now; None: all at once): output tokens (each chunk's token_ids, checked against the usage chunk's
     completion_tokens), failed requests, their first errors, seconds, TTFT and ITL samples."""
     lat = Latencies()
 
@@ -427,14 +458,10 @@ async def http_requests(client, model: str, prompts, max_tokens, arrivals=None) 
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         submitted, last, tokens, usage = time.perf_counter(), None, 0, None
         try:
-            stream = await client.completions.create(
-                model=model, prompt=prompt, max_tokens=m, temperature=0.6, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
-            async for chunk in stream:
-                k = len(chunk.choices[0].model_extra["token_ids"]) if chunk.choices else 0
+            async for k, chunk_usage in stream(prompt, m):
                 last, tokens = lat.chunk(submitted, last, time.perf_counter(), k), tokens + k
-                usage = chunk.usage or usage
-            if tokens != m or usage is None or usage.completion_tokens != m:
+                usage = chunk_usage if chunk_usage is not None else usage
+            if tokens != m or usage != m:
                 raise ValueError(f"{tokens} tokens, usage {usage}, max_tokens {m}")
             return tokens, None
         except Exception as e:
@@ -451,13 +478,22 @@ async def http_requests(client, model: str, prompts, max_tokens, arrivals=None) 
 async def http_client_process(url: str, job: dict) -> dict:
     """An http client (benchmarks_common.run_workers): warm up, ready, go, then its requests:
     at once, or at the job's arrival times."""
-    from openai import AsyncOpenAI
+    async with contextlib.AsyncExitStack() as stack:
+        if job["client"] == "httpx":
+            import httpx
 
-    async with AsyncOpenAI(base_url=url, api_key="none", max_retries=0) as client:
-        await http_requests(client, job["model"], job["prompts"], [2] * len(job["prompts"]))
+            client = await stack.enter_async_context(httpx.AsyncClient(
+                timeout=600, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)))
+            stream = httpx_chunks(client, url, job["model"])
+        else:
+            from openai import AsyncOpenAI
+
+            client = await stack.enter_async_context(AsyncOpenAI(base_url=url, api_key="none", max_retries=0))
+            stream = openai_chunks(client, job["model"])
+        await http_requests(stream, job["prompts"], [2] * len(job["prompts"]))
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)
-        return await http_requests(client, job["model"], job["prompts"], job["max_tokens"], job.get("arrivals"))
+        return await http_requests(stream, job["prompts"], job["max_tokens"], job.get("arrivals"))
 
 
 def http(args, prompts, max_tokens) -> dict:
@@ -466,8 +502,8 @@ def http(args, prompts, max_tokens) -> dict:
     results = {}
     with api_server(args) as url:
         def clients(arrivals=None, on_go=None) -> dict:
-            jobs = [{"model": args.model, "prompts": prompts[i::n], "max_tokens": max_tokens[i::n]}
-                    for i in range(n)]
+            jobs = [{"model": args.model, "client": args.client, "prompts": prompts[i::n],
+                     "max_tokens": max_tokens[i::n]} for i in range(n)]
             if arrivals is not None:
                 for i, job in enumerate(jobs):
                     job["arrivals"] = arrivals[i::n]
@@ -492,7 +528,7 @@ def http(args, prompts, max_tokens) -> dict:
                         go()
                     r = clients(arrival_times(len(prompts), rate), on_go)
                 ttft, itl = r.pop("ttft"), r.pop("itl")
-                results["http-poisson"].append({"path": "headrace serve (HTTP)", "rate": rate,
+                results["http-poisson"].append({"path": f"headrace serve (HTTP, {args.client})", "rate": rate,
                                                 "requests": len(prompts) - r["failed_requests"], **r,
                                                 "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
                                                 "ttft_mean_ms": mean_ms(ttft),
@@ -555,7 +591,7 @@ def path_rows(results: dict, expected: int, args) -> list[dict]:
         notes = [f"{of_burst:.3f} of burst (>= 0.9: {'yes' if of_burst >= 0.9 else 'no'})"] if of_burst else []
         if r["failed_requests"]:
             notes.append(f"{r['failed_requests']} failed requests, first: {r['errors'][0]}")
-        row(f"headrace serve, openai client (--api-servers {args.api_servers}, --http-clients {args.http_clients})",
+        row(f"headrace serve, {args.client} client (--api-servers {args.api_servers}, --http-clients {args.http_clients})",
             value, notes, [r])
         rows[-1]["of_burst"] = of_burst
     return rows
@@ -629,7 +665,10 @@ def parse_args():
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--frontends", type=int, default=2, help="frontend processes of scaleout")
     parser.add_argument("--api-servers", type=int, default=2, help="API server processes of http")
-    parser.add_argument("--http-clients", type=int, default=4, help="openai client processes of http")
+    parser.add_argument("--http-clients", type=int, default=4, help="client processes of http")
+    parser.add_argument("--client", default="openai", choices=["openai", "httpx"],
+                        help="what the http clients send with: the openai client, or bare httpx parsing each chunk "
+                             "with json")
     parser.add_argument("--rates", default="8,24", help="Poisson arrival rates, requests/s")
     parser.add_argument("--repeats", type=int, default=1, help="runs of burst-logprobs")
     parser.add_argument("--loop-load", type=float, default=0.0, metavar="MS",
