@@ -6,7 +6,7 @@ through the OpenAI-compatible HTTP server with the openai client.
 
     python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,http,poisson,http-poisson]
         [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--client openai|httpx]
-        [--rates 8,24]
+        [--prompts ids|text] [--rates 8,24]
         [--tensor-parallel-size 1] [--data-parallel-size 1 (http: serve's cores)]
         [--repeats 1] [--loop-load MS] [--py-spy SECONDS]
         [--device auto] [--model DIR] [--max-prompt 1024] [--max-output 1024] [--json PATH]
@@ -18,7 +18,11 @@ caching; max_num_seqs = the number of requests. The model is the Qwen3-0.6B
 shape with random bf16 weights and a tokenizer that covers its vocabulary
 (on a CPU: the demo checkpoint, with max_model_len cut to its positions).
 For smoke runs --max-prompt and --max-output cut prompts and max_tokens, and
-ids are taken modulo a vocabulary smaller than 10000.
+ids are taken modulo a vocabulary smaller than 10000. With --prompts text
+every part but inproc sends each prompt as the text its ids decode to, as a
+user's application would, and the frontends tokenize it (the token count
+changes a little; it is printed). Token-id prompts cost the openai client
+time of their own: it walks a list prompt element by element before sending.
 
 Parts:
 - inproc, the peer: EngineCore in this process; all requests added at once,
@@ -669,6 +673,8 @@ def parse_args():
     parser.add_argument("--client", default="openai", choices=["openai", "httpx"],
                         help="what the http clients send with: the openai client, or bare httpx parsing each chunk "
                              "with json")
+    parser.add_argument("--prompts", default="ids", choices=["ids", "text"],
+                        help="what every part but inproc sends: the token ids, or the text they decode to")
     parser.add_argument("--rates", default="8,24", help="Poisson arrival rates, requests/s")
     parser.add_argument("--repeats", type=int, default=1, help="runs of burst-logprobs")
     parser.add_argument("--loop-load", type=float, default=0.0, metavar="MS",
@@ -728,11 +734,21 @@ def main() -> None:
     if "inproc" in args.parts:
         results["inproc"] = in_process(args, prompts, max_tokens)
         log("inproc", results["inproc"])
-    results.update(run(spawned_engine_parts(args, prompts, max_tokens)))
+    sent = prompts
+    if args.prompts == "text":  # what the frontends get: each prompt's ids decoded; they tokenize it again
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        # random ids decode to text that tokenizes to a different count: cut that to the ids' count, once
+        sent = [tokenizer.decode(tokenizer.encode(tokenizer.decode(p), add_special_tokens=False)[:len(p)])
+                for p in prompts]
+        print(f"prompts sent as text: {sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in sent)} "
+              f"tokens once tokenized again", flush=True)
+    results.update(run(spawned_engine_parts(args, sent, max_tokens)))
     if "scaleout" in args.parts:
-        results["scaleout"] = scale_out(args, prompts, max_tokens)
+        results["scaleout"] = scale_out(args, sent, max_tokens)
     if set(HTTP_PARTS) & set(args.parts):
-        results.update(http(args, prompts, max_tokens))
+        results.update(http(args, sent, max_tokens))
     paths = path_rows(results, expected, args)
     poisson_results = poisson_rows(results.get("poisson", []) + results.get("http-poisson", []))
     print_tables(paths, poisson_results)
@@ -740,7 +756,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "device": args.device, "num_requests": len(prompts),
                        "prompt_tokens": sum(map(len, prompts)), "output_tokens": expected,
-                       "max_model_len": args.max_model_len, "loop_load_ms": args.loop_load,
+                       "prompts_sent_as": args.prompts, "max_model_len": args.max_model_len,
+                       "loop_load_ms": args.loop_load, "client": args.client,
                        "api_servers": args.api_servers, "http_clients": args.http_clients,
                        "paths": paths, "poisson": poisson_results}, f, indent=1)
 
