@@ -275,7 +275,9 @@ def page_totals(metrics_url: str) -> dict:
     totals = {k: [0.0, 0] for k in SPANS}
     for family in text_string_to_metric_families(text):
         k = span_of.get(family.name)
-        for sample in family.samples if k is not None else ():
+        if k is None:
+            continue
+        for sample in family.samples:
             if sample.name.endswith("_sum"):
                 totals[k][0] += sample.value
             elif sample.name.endswith("_count"):
@@ -523,8 +525,8 @@ def http(args, prompts, max_tokens) -> dict:
             log("http", results["http"])
         if "http-poisson" in args.parts:
             results["http-poisson"] = []
+            metrics_url = url.removesuffix("/v1") + "/metrics"  # every API server's frontend stats, merged
             for rate in args.rates:
-                metrics_url = url.removesuffix("/v1") + "/metrics"
                 totals = {}
                 with host_profile(args.py_spy, f"http-poisson {rate:g} req/s", deferred=True) as go:
                     def on_go():
@@ -696,7 +698,7 @@ def parse_args():
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
-    missing = [m for m in ("openai", "starlette", "uvicorn", "httptools") if importlib.util.find_spec(m) is None]
+    missing = [m for m in (args.client, "starlette", "uvicorn", "httptools") if importlib.util.find_spec(m) is None]
     if set(HTTP_PARTS) & set(args.parts) and missing:
         parser.error(f"the http part needs {', '.join(missing)} (and their dependencies); or leave it out of --parts")
     if not args.py_spy >= 0:
@@ -736,9 +738,10 @@ def main() -> None:
         log("inproc", results["inproc"])
     sent = prompts
     if args.prompts == "text":  # what the frontends get: each prompt's ids decoded; they tokenize it again
-        from transformers import AutoTokenizer
+        from headrace import envs
+        from headrace.checkpoint.tokenizer import load_tokenizer, prepare_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = load_tokenizer(prepare_tokenizer(args.model, envs.cache_dir()))  # the frontends' own
         # random ids decode to text that tokenizes to a different count: cut that to the ids' count, once
         sent = [tokenizer.decode(tokenizer.encode(tokenizer.decode(p), add_special_tokens=False)[:len(p)])
                 for p in prompts]
