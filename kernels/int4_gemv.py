@@ -55,10 +55,10 @@ def _rot16(word, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_slice(qw_ptr, s_ptr, z_ptr, k0, k_end, r, offs_n, mask_n, N, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+def _load_slice(qw_ptrs, s_ptr, z_ptr, k0, k_end, r, offs_n, mask_n, N, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                 EVEN_N: tl.constexpr):
-    """The weights of the slice at k0: (qw [BLOCK_K // 8, BLOCK_N] int32, zero, scale [1, BLOCK_N] float32)."""
-    qw_ptrs = qw_ptr + (k0 // 8 + r)[:, None].to(tl.int64) * N + offs_n[None, :]
+    """The weights of the slice at k0, whose int32s are at qw_ptrs [BLOCK_K // 8, C]: (qw [BLOCK_K // 8, C]
+    int32, zero, scale [1, C] float32)."""
     g = (k0 // GROUP if GROUP else 0) * N + offs_n
     if EVEN_N and EVEN_K:  # no masks
         qw = tl.load(qw_ptrs)
@@ -141,14 +141,18 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     r = tl.arange(0, BLOCK_K // 8)
-    w_a = _load_slice(qw_ptr, s_ptr, z_ptr, k_start, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
-    w_b = _load_slice(qw_ptr, s_ptr, z_ptr, k_start, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
+    p_a = qw_ptr + (k_start // 8 + r)[:, None].to(tl.int64) * N + offs_a[None, :]
+    p_b = p_a + BLOCK_N // 2
+    w_a = _load_slice(p_a, s_ptr, z_ptr, k_start, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
+    w_b = _load_slice(p_b, s_ptr, z_ptr, k_start, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
     wait_for_previous(PDL)
     zeros = tl.zeros([BLOCK_K // 8, BLOCK_N // 2], dtype=tl.float32)
     acc_a, acc_b = _add_slice(zeros, zeros, w_a, w_b, x_ptr, k_start, k_end, r, EVEN_K, ASM)
     for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=STAGES):
-        w_a = _load_slice(qw_ptr, s_ptr, z_ptr, k0, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
-        w_b = _load_slice(qw_ptr, s_ptr, z_ptr, k0, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
+        p_a += (BLOCK_K // 8) * N
+        p_b += (BLOCK_K // 8) * N
+        w_a = _load_slice(p_a, s_ptr, z_ptr, k0, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
+        w_b = _load_slice(p_b, s_ptr, z_ptr, k0, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
         acc_a, acc_b = _add_slice(acc_a, acc_b, w_a, w_b, x_ptr, k0, k_end, r, EVEN_K, ASM)
     # the halves' sums side by side, [1, BLOCK_N] in the order a0, b0, a1, b1, ..., with their columns
     total = tl.reshape(tl.join(tl.sum(acc_a, axis=0), tl.sum(acc_b, axis=0)), [1, BLOCK_N])
