@@ -14,9 +14,7 @@ difference from int4_linear_ref relative to the largest output. The table's
 config is timed at every M; at one row and from DEQUANTIZE_ROWS rows
 int4_linear runs another path, timed on a line of its own. --sweep also
 times the candidate configs of each M bucket, and at one row GEMV_SWEEP's
-configs of the one-row kernel. At one row two more lines time the weight as
-an MLP's gate|up: SiLU-and-mul in the one-row kernel's launch, and the
-projection followed by kernels/activation.py's kernel.
+configs of the one-row kernel.
 """
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us as per_call_us, measure_ceilings
 
-from headrace.kernels.activation import silu_and_mul
 from headrace.kernels.int4 import DEQUANTIZE_ROWS, _Config, _launch, _pick_config, int4_linear, int4_linear_ref
 from headrace.kernels.int4_gemv import CONFIG as GEMV_CONFIG, int4_gemv
 
@@ -108,14 +105,6 @@ def main() -> None:
                 label = "one-row kernel, kernels/int4_gemv.py" if m == 1 else "dequantize + cuBLAS"
                 print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                       f" {err:8.1e}  {label} (int4_linear)", flush=True)
-            if m == 1:  # the weight as gate|up: SiLU-and-mul in the one-row kernel's launch, and after it
-                for label, call in (("one-row kernel as gate|up, SiLU-and-mul in", lambda lay: int4_linear(
-                                         x, *lay, g, None, gated=True)),
-                                     ("one-row kernel as gate|up, then silu_and_mul", lambda lay: silu_and_mul(
-                                         int4_linear(x, *lay, g, None)))):
-                    t = per_call_us([lambda lay=lay: call(lay) for lay in layers])
-                    print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
-                          f" {'':>8}  {label}", flush=True)
             if m == 1 and args.sweep:  # the one-row kernel's candidates
                 for cfg in GEMV_SWEEP:
                     got = int4_gemv(x, *layers[0], g, None, config=cfg)
