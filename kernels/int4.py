@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from headrace.kernels import splitk
-from headrace.kernels.activation import silu_and_mul
 from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.int4_gemv import CONFIG as GEMV_CONFIG, int4_gemv
 from headrace.kernels.splitk import sum_splits
@@ -329,11 +328,9 @@ def dequantize_int4_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: t
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None, counts: torch.Tensor | None = None,
-                gated: bool = False) -> torch.Tensor:
+                group_size: int, bias: torch.Tensor | None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """int4_linear_ref's result in one launch (two from DEQUANTIZE_ROWS rows; one 16-bit row: int4_gemv);
-    x's last dimension must be contiguous. gated: the weight is gate|up and the result silu_and_mul of the
-    projection's (in the same launch for one 16-bit row, by kernels/activation.py's kernel otherwise).
+    x's last dimension must be contiguous.
     counts: the layer's split-K counters (split_k_tiles(N) of them, zero between calls)."""
     _check_input(x, qweight, scales, zeros, group_size, bias)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -342,15 +339,10 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         raise ValueError("x must be contiguous in its last dimension")
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if x2.shape[0] == 1 and x.dtype != torch.float32:  # one row of a 16-bit model: kernels/int4_gemv.py
-        out = int4_gemv(x2, qweight, scales, zeros, group_size, bias, counts, gated=gated)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return int4_gemv(x2, qweight, scales, zeros, group_size, bias, counts).reshape(*x.shape[:-1], qweight.shape[1])
     if x2.shape[0] >= DEQUANTIZE_ROWS:
         out = x2 @ dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype)
         out = out if bias is None else out + bias
-    else:
-        out = _launch(x2, qweight, scales, zeros, group_size, bias, _pick_config(x2.shape[0]), counts)
-    if gated:
-        out = silu_and_mul(out)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out.reshape(*x.shape[:-1], qweight.shape[1])
     out = _launch(x2, qweight, scales, zeros, group_size, bias, _pick_config(x2.shape[0]), counts)
     return out.reshape(*x.shape[:-1], qweight.shape[1])

@@ -19,7 +19,6 @@ import pytest  # noqa: E402
 from headrace.kernels.int4 import (  # noqa: E402
     _CONFIGS, _launch, dequantize_int4, int4_linear, int4_linear_ref, pack_int4, split_k_tiles, unpack_int4,
 )
-from headrace.kernels.activation import silu_and_mul  # noqa: E402
 from headrace.kernels.int4_gemv import int4_gemv  # noqa: E402
 from headrace.kernels.splitk import counters  # noqa: E402
 
@@ -164,19 +163,6 @@ def test_one_row_gemv(k, n, g, dtype, monkeypatch):
         _assert_near(int4_gemv(x, qweight, scales, zeros, g, b, config=(32, 64, 2, 4)), want, x, w)
         got = int4_linear(x[None], qweight, scales, zeros, g, b, counts)  # [1, 1, K]: the kernel int4_linear picks
         _assert_near(got[0], want, x, w)
-        if n % 2 == 0 and b is not None:  # as gate|up, SiLU-and-mul in the same launch: the activation
-            for split_k in (0, 3):  # kernel's result on the plain kernel's, split as picked and 3 ways
-                plain = int4_gemv(x, qweight, scales, zeros, g, b, counts, split_k)
-                got = int4_gemv(x, qweight, scales, zeros, g, b, counts, split_k, gated=True)
-                assert torch.equal(got, silu_and_mul(plain)), split_k
-                assert not counts.any()
-            assert torch.equal(int4_linear(x, qweight, scales, zeros, g, b, counts, gated=True), got)
-            rows = torch.cat([x, -x])  # two rows: the tl.dot kernel, then the activation kernel
-            assert torch.equal(int4_linear(rows, qweight, scales, zeros, g, b, counts, gated=True),
-                               silu_and_mul(int4_linear(rows, qweight, scales, zeros, g, b, counts)))
-        elif n % 2:
-            with pytest.raises(ValueError, match="even number of output features"):
-                int4_gemv(x, qweight, scales, zeros, g, b, gated=True)
 
 
 def test_strided_and_batched_x_and_reproducible():

@@ -46,8 +46,7 @@ def project(
     x + residual, x without one, None without norm). A few rows through a float
     layer that fuse_few_rows prepared, on a GPU, take one launch for all of it
     (kernels/dense.py); an FP8 layer that quantizes its input makes it with the
-    norm in one launch (Fp8Linear.normed); a layer that folds SiLU-and-mul in
-    (Int4Linear) takes it; otherwise the steps run one by one."""
+    norm in one launch (Fp8Linear.normed); otherwise the steps run one by one."""
     counts = getattr(linear, "splitk_counts", None)
     if (counts is not None and x.is_cuda and 0 < x.shape[0] <= dense.FEW_ROWS and x.dtype == linear.weight.dtype
             and (norm is None or norm.weight.dtype == x.dtype)):
@@ -59,8 +58,6 @@ def project(
         return (silu_and_mul(y) if gated else y), residual
     if norm is not None:
         x, residual = prenorm(dispatch.rms_norm, x, norm.weight, norm.eps, residual)
-    if gated and getattr(linear, "folds_silu_and_mul", False):  # forward(x, True) applies it in its own launch
-        return linear(x, True), residual
     y = linear(x)
     return (silu_and_mul(y) if gated else y), residual
 

@@ -19,7 +19,6 @@ from headrace.checkpoint.config import ModelConfig
 from headrace.checkpoint.quant_config import QuantConfig
 from headrace.config import EngineArgs
 from headrace.kernels import fp8, gguf, int4
-from headrace.kernels.activation import silu_and_mul_ref
 from headrace.kernels.gguf import PackedGGUF
 from headrace.kernels.splitk import counters
 
@@ -29,9 +28,9 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def _flat(linear):
     """forward for a layer whose kernel takes [tokens, in_features]."""
-    def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = linear(self, x.reshape(-1, shape[-1]), *args)
+        y = linear(self, x.reshape(-1, shape[-1]))
         return y.reshape(*shape[:-1], y.shape[-1])
     return forward
 
@@ -98,8 +97,6 @@ class Int4Linear(nn.Module):
     """y = x W^T + b with W as 4-bit integers (AWQ and GPTQ, repacked at load):
     W[n, k] = (q - zero) * scale of k's group (kernels/int4.py's layout)."""
 
-    folds_silu_and_mul = True  # forward(x, gated=True) (layers.project)
-
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None, perm: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -114,16 +111,12 @@ class Int4Linear(nn.Module):
         self.bias = bias
 
     @_flat
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """The projection of x, or with gated (this layer is gate|up) silu_and_mul of it, in the same launch
-        where the one-row kernel runs."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         if x.is_cuda:
-            return int4.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, self.counts,
-                                    gated)
-        y = int4.int4_linear_ref(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
-        return silu_and_mul_ref(y) if gated else y
+            return int4.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, self.counts)
+        return int4.int4_linear_ref(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
 
 
 class GGUFLinear(nn.Module):
