@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from headrace.kernels import splitk
-from headrace.kernels.device import pdl_args, wait_for_previous
+from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
 from headrace.kernels.splitk import sum_splits
 
 # (lop3 0xEA: (a & b) | c) the nibble at bits 12..15 or 16..19, with 2^11's or 2^7's exponent field
@@ -171,8 +171,11 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
 # From benchmarks/int4_kernel.py's sweep on an H100 (Qwen3-8B's projections and LM head, group 128):
 # 64 outputs and 128 of K a program, 4 warps, K split until there are about 8 programs an SM. Their
 # loads are not staged through shared memory when K is split (the programs in flight cover the
-# latency); launches without a split loop long enough for three stages to pay.
+# latency). With at least WHOLE_K_TILES tiles an SM (gate|up, 384 tiles on 132 SMs) K is not split:
+# each program's loop runs long enough for four stages to pay, and no partials make a round trip
+# (24576x4096: 23.6 us against 28-32 split 3 ways, the split that fills 8 programs an SM).
 CONFIG = (64, 128, 4, 8)  # (BLOCK_N, BLOCK_K, num_warps, programs an SM)
+WHOLE_K_TILES = 2
 _UNROLLED_SUM = 16  # up to this many splits the last program loads their partials at once (sum_splits)
 
 
@@ -180,8 +183,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
               bias: torch.Tensor | None, counts: torch.Tensor | None = None, split_k: int = 0,
               config: tuple[int, int, int, int] = CONFIG) -> torch.Tensor:
     """int4_linear_ref for x [1, K] (float16 / bfloat16; int4_linear has checked the shapes) -> [1, N].
-    counts: split-K counters for cdiv(N, block_n) tiles; split_k: the K splits (0: by the config's programs an
-    SM); config: as CONFIG (benchmarks compare others)."""
+    counts: split-K counters for cdiv(N, block_n) tiles; split_k: the K splits (0: none from WHOLE_K_TILES
+    tiles an SM, else by the config's programs an SM); config: as CONFIG (benchmarks compare others)."""
     block_n, block_k, num_warps, programs_per_sm = config
     k, n = x.shape[1], qweight.shape[1]
     if x.data_ptr() % 4:  # the kernel reads x in 32-bit pairs
@@ -192,8 +195,10 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     else:  # a power of two dividing G, so every slice lies in one group
         block_k = min(block_k, group_size & -group_size)
     tiles = triton.cdiv(n, block_n)
+    if not split_k and tiles >= WHOLE_K_TILES * num_sms(x.device):
+        split_k = 1
     k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, programs_per_sm, split_k)
-    stages = 3 if splits == 1 else 1
+    stages = 4 if splits == 1 else 1
     _int4_gemv_kernel[(tiles, splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, k_per_split,
         GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,
