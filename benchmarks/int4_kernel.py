@@ -2,11 +2,12 @@
 
     python3 benchmarks/int4_kernel.py [--ms 1,16,64,256,2048] [--shapes 4096x4096] [--group 128] [--sweep]
 
-For (N, K) in 4096x4096 (o_proj), 12288x4096 (gate or up) and 4096x12288
-(down), group size 128, bf16 activations, and M tokens: microseconds per
-call, timed as CUDA-graph replays of calls that cycle through enough copies
-of the weights that none is still in L2 (as in a model, where each layer's
-weights are read once per step). The floor is the packed weight, scales,
+For (N, K) in 6144x4096 (q|k|v), 4096x4096 (o_proj), 24576x4096 (gate|up)
+and 4096x12288 (down), as the model runs them, group size 128, bf16
+activations, and M tokens: microseconds per call, timed as CUDA-graph replays
+of calls that cycle through enough copies of the weights that none is still
+in L2 (as in a model, where each layer's weights are read once per step),
+each copy with its own split-K counters as Int4Linear holds them. The floor is the packed weight, scales,
 zeros, x and y bytes at the copy bandwidth, or 2 M N K FLOPs at the bf16
 matmul rate, whichever is longer, both measured in the same run; the peer is
 F.linear with bf16 weights, timed the same way. err is int4_linear's largest
@@ -24,10 +25,13 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us as per_call_us, measure_ceilings
 
-from headrace.kernels.int4 import DEQUANTIZE_ROWS, _Config, _launch, _pick_config, int4_linear, int4_linear_ref
+from headrace.kernels.int4 import (
+    DEQUANTIZE_ROWS, _Config, _launch, _pick_config, int4_linear, int4_linear_ref, split_k_tiles,
+)
 from headrace.kernels.int4_gemv import CONFIG as GEMV_CONFIG, int4_gemv
+from headrace.kernels.splitk import counters
 
-SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288)]  # (N, K); Qwen3-8B's LM head is 151936x4096
+SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]  # (N, K); Qwen3-8B's LM head is 151936x4096
 L2_BYTES = 50 * 2**20
 C = _Config
 # Candidates per M bucket for --sweep: (block_m, block_n, block_k, num_warps, num_stages, scale_acc, split_k, regs).
@@ -53,13 +57,15 @@ GEMV_SWEEP = [(64, 128, 4, 4), (64, 128, 4, 12), (64, 128, 4, 16), (64, 64, 4, 8
               (64, 128, 2, 8), (128, 64, 4, 8)]
 
 def int4_layers(n: int, k: int, group: int, count: int, gen: torch.Generator):
-    """count independent (qweight, scales, zeros) on the GPU, random over the whole 4-bit range."""
+    """count independent (qweight, scales, zeros, counts) on the GPU, random over the whole 4-bit range;
+    counts: the layer's split-K counters, as Int4Linear holds them (without, each call would zero its own)."""
     out = []
     for _ in range(count):
         qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, dtype=torch.int32)
         scales = torch.rand(k // group, n, generator=gen) * 0.002 + 0.0005
         zeros = torch.randint(0, 16, (k // group, n), generator=gen)
-        out.append((qweight.cuda(), scales.to(torch.bfloat16).cuda(), zeros.to(torch.bfloat16).cuda()))
+        out.append((qweight.cuda(), scales.to(torch.bfloat16).cuda(), zeros.to(torch.bfloat16).cuda(),
+                    counters(split_k_tiles(n), "cuda")))
     return out
 
 
@@ -88,28 +94,28 @@ def main() -> None:
                  for _ in range(max(2, -(-4 * L2_BYTES // (2 * n * k))))]
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-            got = int4_linear(x, *layers[0], g, None)
-            want = int4_linear_ref(x, *layers[0], g, None)
+            got = int4_linear(x, *layers[0][:3], g, None, layers[0][3])
+            want = int4_linear_ref(x, *layers[0][:3], g, None)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             floor = max((w_bytes + 2 * m * (k + n)) / bw, 2 * m * n * k / rate) * 1e6
             peer = per_call_us([lambda w=w: F.linear(x, w) for w in dense])
             picked = _pick_config(m)
             configs = [picked] + [c for c in SWEEP[bucket(m)] if c != picked] if args.sweep else [picked]
             for cfg in configs:
-                t = per_call_us([lambda lay=lay: _launch(x, *lay, g, None, cfg) for lay in layers])
+                t = per_call_us([lambda lay=lay: _launch(x, *lay[:3], g, None, cfg, lay[3]) for lay in layers])
                 mark = "table" if cfg == picked else ""
                 print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                       f" {err:8.1e}  {tuple(cfg)} {mark}", flush=True)
             if m >= DEQUANTIZE_ROWS or m == 1:  # what int4_linear runs there instead of the table's config
-                t = per_call_us([lambda lay=lay: int4_linear(x, *lay, g, None) for lay in layers])
+                t = per_call_us([lambda lay=lay: int4_linear(x, *lay[:3], g, None, lay[3]) for lay in layers])
                 label = "one-row kernel, kernels/int4_gemv.py" if m == 1 else "dequantize + cuBLAS"
                 print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                       f" {err:8.1e}  {label} (int4_linear)", flush=True)
             if m == 1 and args.sweep:  # the one-row kernel's candidates
                 for cfg in GEMV_SWEEP:
-                    got = int4_gemv(x, *layers[0], g, None, config=cfg)
+                    got = int4_gemv(x, *layers[0][:3], g, None, layers[0][3], config=cfg)
                     e = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-                    t = per_call_us([lambda lay=lay: int4_gemv(x, *lay, g, None, config=cfg) for lay in layers])
+                    t = per_call_us([lambda lay=lay: int4_gemv(x, *lay[:3], g, None, lay[3], config=cfg) for lay in layers])
                     print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                           f" {e:8.1e}  one-row kernel {cfg} (table: {GEMV_CONFIG})", flush=True)
 

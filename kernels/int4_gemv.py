@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from headrace.kernels import splitk
-from headrace.kernels.device import pdl_args, wait_for_previous
+from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
 from headrace.kernels.splitk import sum_splits
 
 # (lop3 0xEA: (a & b) | c) the nibble at bits 12..15 or 16..19, with 2^11's or 2^7's exponent field
@@ -55,35 +55,38 @@ def _rot16(word, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_slice(qw_ptr, s_ptr, z_ptr, k0, k_end, r, offs_n, mask_n, N, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weights of the slice at k0: (qw [BLOCK_K // 8, BLOCK_N] int32, zero, scale [1, BLOCK_N] float32)."""
-    in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0  # [BLOCK_K // 8] int32 rows inside the split
-    qw = tl.load(qw_ptr + (k0 // 8 + r)[:, None].to(tl.int64) * N + offs_n[None, :],
-                 mask=in_k[:, None] & mask_n[None, :], other=0)
+def _load_slice(qw_ptrs, s_ptr, z_ptr, k0, k_end, r, offs_n, mask_n, N, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+                EVEN_N: tl.constexpr):
+    """The weights of the slice at k0, whose int32s are at qw_ptrs [BLOCK_K // 8, C]: (qw [BLOCK_K // 8, C]
+    int32, zero, scale [1, C] float32)."""
     g = (k0 // GROUP if GROUP else 0) * N + offs_n
-    zero = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    scale = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if EVEN_N and EVEN_K:  # no masks
+        qw = tl.load(qw_ptrs)
+        zero = tl.load(z_ptr + g).to(tl.float32)[None, :]
+        scale = tl.load(s_ptr + g).to(tl.float32)[None, :]
+    else:
+        in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0  # [BLOCK_K // 8] int32 rows inside the split
+        qw = tl.load(qw_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0)
+        zero = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        scale = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     return qw, zero, scale
 
 
 @triton.jit
-def _x_at(x_ptr, offs, in_k, J: tl.constexpr):
-    return tl.load(x_ptr + offs + J, mask=in_k, other=0.0).to(tl.float32)
+def _x_pair(x32_ptr, offs, in_k, J: tl.constexpr, BF16: tl.constexpr):
+    """x_{2J}, x_{2J+1} as float32 from one 32-bit load of the 16-bit pair (little-endian: x_{2J} low)."""
+    w = tl.load(x32_ptr + offs + J, mask=in_k, other=0)
+    if BF16:  # a bfloat16 is a float32's upper half
+        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _add_slice(acc, qw, zero, scale, x_ptr, k0, k_end, r, EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    """acc [BLOCK_K // 8, BLOCK_N] plus the slice at k0's sums, each int32 row's kept apart."""
-    in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0
-    offs_x = k0 + r * 8
-    x0, x1 = _x_at(x_ptr, offs_x, in_k, 0), _x_at(x_ptr, offs_x, in_k, 1)
-    x2, x3 = _x_at(x_ptr, offs_x, in_k, 2), _x_at(x_ptr, offs_x, in_k, 3)
-    x4, x5 = _x_at(x_ptr, offs_x, in_k, 4), _x_at(x_ptr, offs_x, in_k, 5)
-    x6, x7 = _x_at(x_ptr, offs_x, in_k, 6), _x_at(x_ptr, offs_x, in_k, 7)
-    at16 = (x0 + x2) + (x4 + x6)  # the x_j of nibbles placed at bit 16 (offset 2^7)
-    at12 = (x1 + x3) + (x5 + x7)  # and at bit 12 (offset 2^11)
-    offset = at16 * 128.0 + at12 * 2048.0
-    row = -(offset[:, None] + zero * (at16 + at12)[:, None])  # [BLOCK_K // 8, BLOCK_N]
+def _dot8(qw, zero, scale, xs, minus_sum, base, acc, ASM: tl.constexpr):
+    """acc plus scale * sum_j (q_j - zero) x_j for each int32 of qw [R, C] (R: the slice's int32 rows)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    row = tl.fma(zero, minus_sum[:, None], base[:, None])  # -(offsets + zero sum x)
     word = _rot16(qw, ASM)
     row = tl.fma(_factor(word, 16, ASM), x0[:, None], row)
     row = tl.fma(_factor(word, 12, ASM), x7[:, None], row)
@@ -98,8 +101,30 @@ def _add_slice(acc, qw, zero, scale, x_ptr, k0, k_end, r, EVEN_K: tl.constexpr, 
     return tl.fma(row, scale, acc)
 
 
+@triton.jit
+def _add_slice(acc_a, acc_b, w_a, w_b, x_ptr, k0, k_end, r, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """The slice at k0 added to both halves' sums [BLOCK_K // 8, BLOCK_N // 2], each int32 row's kept apart."""
+    in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0
+    bf16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    x32 = x_ptr.to(tl.pointer_type(tl.int32))
+    offs_x = (k0 + r * 8) // 2
+    x0, x1 = _x_pair(x32, offs_x, in_k, 0, bf16)
+    x2, x3 = _x_pair(x32, offs_x, in_k, 1, bf16)
+    x4, x5 = _x_pair(x32, offs_x, in_k, 2, bf16)
+    x6, x7 = _x_pair(x32, offs_x, in_k, 3, bf16)
+    at16 = (x0 + x2) + (x4 + x6)  # the x_j of nibbles placed at bit 16 (offset 2^7)
+    at12 = (x1 + x3) + (x5 + x7)  # and at bit 12 (offset 2^11)
+    base = -(at16 * 128.0 + at12 * 2048.0)
+    xs = (x0, x1, x2, x3, x4, x5, x6, x7)
+    minus_sum = -(at16 + at12)
+    acc_a = _dot8(w_a[0], w_a[1], w_a[2], xs, minus_sum, base, acc_a, ASM)
+    acc_b = _dot8(w_b[0], w_b[1], w_b[2], xs, minus_sum, base, acc_b, ASM)
+    return acc_a, acc_b
+
+
 # Program (n tile, split) adds its split's run of BLOCK_K-wide slices of K (each in one group) for
-# BLOCK_N outputs, as a [BLOCK_K // 8, BLOCK_N] tile of sums kept per int32 row until the end.
+# BLOCK_N outputs, as two [BLOCK_K // 8, BLOCK_N // 2] tiles of sums kept per int32 row until the end:
+# two half-width tiles make each thread hold one int32 row of both, so x's preparation is shared.
 # Nibble j of an int32 is at bit 4 j: j = 0 and 7 go to bits 16 and 12 (halves swapped), 1 and 2 to
 # 12 and 16 (<< 8), 3 and 4 are in place, 5 and 6 go to 12 and 16 (>> 8).
 # The first slice's weights are loaded before wait_for_previous: no kernel writes them, and with
@@ -107,23 +132,32 @@ def _add_slice(acc, qw, zero, scale, x_ptr, k0, k_end, r, EVEN_K: tl.constexpr, 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                      EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      STAGES: tl.constexpr, PDL: tl.constexpr):
+                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid_n, split = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    offs_a = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+    offs_b = offs_a + BLOCK_N // 2
+    mask_a, mask_b = offs_a < N, offs_b < N
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     r = tl.arange(0, BLOCK_K // 8)
-    qw, zero, scale = _load_slice(qw_ptr, s_ptr, z_ptr, k_start, k_end, r, offs_n, mask_n, N, GROUP, EVEN_K)
+    p_a = qw_ptr + (k_start // 8 + r)[:, None].to(tl.int64) * N + offs_a[None, :]
+    p_b = p_a + BLOCK_N // 2
+    w_a = _load_slice(p_a, s_ptr, z_ptr, k_start, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
+    w_b = _load_slice(p_b, s_ptr, z_ptr, k_start, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
     wait_for_previous(PDL)
-    acc = _add_slice(tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32), qw, zero, scale, x_ptr, k_start, k_end, r,
-                     EVEN_K, ASM)
+    zeros = tl.zeros([BLOCK_K // 8, BLOCK_N // 2], dtype=tl.float32)
+    acc_a, acc_b = _add_slice(zeros, zeros, w_a, w_b, x_ptr, k_start, k_end, r, EVEN_K, ASM)
     for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=STAGES):
-        qw, zero, scale = _load_slice(qw_ptr, s_ptr, z_ptr, k0, k_end, r, offs_n, mask_n, N, GROUP, EVEN_K)
-        acc = _add_slice(acc, qw, zero, scale, x_ptr, k0, k_end, r, EVEN_K, ASM)
-    total = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_N]
-    offs, mask = offs_n[None, :], mask_n[None, :]
+        p_a += (BLOCK_K // 8) * N
+        p_b += (BLOCK_K // 8) * N
+        w_a = _load_slice(p_a, s_ptr, z_ptr, k0, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
+        w_b = _load_slice(p_b, s_ptr, z_ptr, k0, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
+        acc_a, acc_b = _add_slice(acc_a, acc_b, w_a, w_b, x_ptr, k0, k_end, r, EVEN_K, ASM)
+    # the halves' sums side by side, [1, BLOCK_N] in the order a0, b0, a1, b1, ..., with their columns
+    total = tl.reshape(tl.join(tl.sum(acc_a, axis=0), tl.sum(acc_b, axis=0)), [1, BLOCK_N])
+    offs = tl.reshape(tl.join(offs_a, offs_b), [1, BLOCK_N])
+    mask = offs < N
     last = True
     if SPLIT:
         total, last = sum_splits(total, part_ptr, count_ptr, pid_n, split, tl.num_programs(1), N, offs, mask,
@@ -137,8 +171,11 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
 # From benchmarks/int4_kernel.py's sweep on an H100 (Qwen3-8B's projections and LM head, group 128):
 # 64 outputs and 128 of K a program, 4 warps, K split until there are about 8 programs an SM. Their
 # loads are not staged through shared memory when K is split (the programs in flight cover the
-# latency); launches without a split loop long enough for three stages to pay.
+# latency). With at least WHOLE_K_TILES tiles an SM (gate|up, 384 tiles on 132 SMs) K is not split:
+# each program's loop runs long enough for four stages to pay, and no partials make a round trip
+# (24576x4096: 23.6 us against 28-32 split 3 ways, the split that fills 8 programs an SM).
 CONFIG = (64, 128, 4, 8)  # (BLOCK_N, BLOCK_K, num_warps, programs an SM)
+WHOLE_K_TILES = 2
 _UNROLLED_SUM = 16  # up to this many splits the last program loads their partials at once (sum_splits)
 
 
@@ -146,22 +183,26 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
               bias: torch.Tensor | None, counts: torch.Tensor | None = None, split_k: int = 0,
               config: tuple[int, int, int, int] = CONFIG) -> torch.Tensor:
     """int4_linear_ref for x [1, K] (float16 / bfloat16; int4_linear has checked the shapes) -> [1, N].
-    counts: split-K counters for cdiv(N, block_n) tiles; split_k: the K splits (0: by the config's programs an
-    SM); config: as CONFIG (benchmarks compare others)."""
+    counts: split-K counters for cdiv(N, block_n) tiles; split_k: the K splits (0: none from WHOLE_K_TILES
+    tiles an SM, else by the config's programs an SM); config: as CONFIG (benchmarks compare others)."""
     block_n, block_k, num_warps, programs_per_sm = config
     k, n = x.shape[1], qweight.shape[1]
+    if x.data_ptr() % 4:  # the kernel reads x in 32-bit pairs
+        x = x.clone()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if group_size == k:  # one group: any slice width, the last slice masked
         block_k = min(block_k, max(8, triton.next_power_of_2(k)))
     else:  # a power of two dividing G, so every slice lies in one group
         block_k = min(block_k, group_size & -group_size)
     tiles = triton.cdiv(n, block_n)
+    if not split_k and tiles >= WHOLE_K_TILES * num_sms(x.device):
+        split_k = 1
     k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, programs_per_sm, split_k)
-    stages = 3 if splits == 1 else 1
+    stages = 4 if splits == 1 else 1
     _int4_gemv_kernel[(tiles, splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, k_per_split,
         GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,
         MAX_SPLITS=triton.next_power_of_2(splits) if splits <= _UNROLLED_SUM else 0, EVEN_K=k % block_k == 0,
-        ASM=x.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=num_warps, num_stages=stages,
-        **pdl_args(x.device))
+        EVEN_N=n % block_n == 0, ASM=x.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+        num_warps=num_warps, num_stages=stages, **pdl_args(x.device))
     return out

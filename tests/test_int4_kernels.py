@@ -125,14 +125,23 @@ def test_every_config_and_split(m, monkeypatch):
 
 
 # (K, N, G): K = G of a width that is no power of two (its last slice masked); G = 16 (16-wide slices);
-# N leaving a partial tile; on the GPU, the Qwen3-8B o_proj width.
-GEMV_SHAPES = [(256, 40, 128), (40, 96, 40), (200, 72, 200), (128, 40, 16), (512, 130, 64), (640, 40, 16)]
+# N leaving a partial tile, and N in whole tiles (no masks); on the GPU, the Qwen3-8B o_proj width.
+GEMV_SHAPES = [(256, 40, 128), (40, 96, 40), (200, 72, 200), (128, 40, 16), (512, 130, 64), (640, 40, 16),
+               (256, 128, 64)]
 if DEVICE == "cuda":
     GEMV_SHAPES += [(4096, 1000, 128), (1024, 4096, 1024)]
 
 
-@pytest.mark.parametrize("k,n,g", GEMV_SHAPES)
-@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+# float16 on every shape; bfloat16 (no tl.dot here, so the interpreter runs it too) on a partial last slice, a
+# partial tile and whole tiles
+GEMV_CASES = ([(*shape, torch.float16) for shape in GEMV_SHAPES]
+              + [(*shape, torch.bfloat16) for shape in GEMV_SHAPES if shape in ((200, 72, 200), (512, 130, 64),
+                                                                                 (256, 128, 64))])
+if DEVICE == "cuda":
+    GEMV_CASES += [(*shape, torch.bfloat16) for shape in GEMV_SHAPES if (*shape, torch.bfloat16) not in GEMV_CASES]
+
+
+@pytest.mark.parametrize("k,n,g,dtype", GEMV_CASES)
 def test_one_row_gemv(k, n, g, dtype, monkeypatch):
     """The one-row kernel that int4_linear runs for a single 16-bit row, with K whole or split 3, 7 and 20
     ways (and as many as it picks), and in another config; torch.empty returns NaN-filled memory, so an
