@@ -6,7 +6,7 @@ through the OpenAI-compatible HTTP server with the openai client.
 
     python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,http,poisson,http-poisson]
         [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--client openai|httpx]
-        [--prompts ids|text] [--rates 8,24]
+        [--prompts text|ids] [--rates 8,24]
         [--tensor-parallel-size 1] [--data-parallel-size 1 (http: serve's cores)]
         [--repeats 1] [--loop-load MS] [--py-spy SECONDS]
         [--device auto] [--model DIR] [--max-prompt 1024] [--max-output 1024] [--json PATH]
@@ -18,11 +18,13 @@ caching; max_num_seqs = the number of requests. The model is the Qwen3-0.6B
 shape with random bf16 weights and a tokenizer that covers its vocabulary
 (on a CPU: the demo checkpoint, with max_model_len cut to its positions).
 For smoke runs --max-prompt and --max-output cut prompts and max_tokens, and
-ids are taken modulo a vocabulary smaller than 10000. With --prompts text
-every part but inproc sends each prompt as the text its ids decode to, as a
-user's application would, and the frontends tokenize it (the token count
-changes a little; it is printed). Token-id prompts cost the openai client
-time of their own: it walks a list prompt element by element before sending.
+ids are taken modulo a vocabulary smaller than 10000. Every part but inproc
+sends each prompt as the text its ids decode to (--prompts text, the
+default), as a user's application would, and the frontends tokenize it (the
+token count changes a little; it is printed); --prompts ids sends the ids.
+Token-id prompts cost the openai client time of its own, inside each
+request's TTFT: it walks a list prompt element by element before sending
+(about 5 ms for the workload's mean prompt, benchmarks/RESULTS.md).
 
 Parts:
 - inproc, the peer: EngineCore in this process; all requests added at once,
@@ -40,9 +42,9 @@ Parts:
 - http: the burst through `headrace serve` (--api-servers API server
   processes on one port, over a core with the engine args of burst), sent by
   --http-clients processes, each its share of the requests at once with the
-  openai client's AsyncOpenAI: one streamed /v1/completions each (token-id
-  prompt, ignore_eos and return_token_ids as extra body fields, usage in the
-  last chunk); with --client httpx, a bare httpx client that parses each
+  openai client's AsyncOpenAI: one streamed /v1/completions each (the
+  prompt as --prompts says, ignore_eos and return_token_ids as extra body
+  fields, usage in the last chunk); with --client httpx, a bare httpx client that parses each
   chunk's line with json instead, which sets what the openai client costs
   apart from the server. A request counts its chunks' token ids; one that errs, or gets
   other than its max_tokens there or in its usage, counts as failed. The client parses every
@@ -675,8 +677,9 @@ def parse_args():
     parser.add_argument("--client", default="openai", choices=["openai", "httpx"],
                         help="what the http clients send with: the openai client, or bare httpx parsing each chunk "
                              "with json")
-    parser.add_argument("--prompts", default="ids", choices=["ids", "text"],
-                        help="what every part but inproc sends: the token ids, or the text they decode to")
+    parser.add_argument("--prompts", default="text", choices=["ids", "text"],
+                        help="what every part but inproc sends: the text the ids decode to (as an application "
+                             "sends it), or the token ids")
     parser.add_argument("--rates", default="8,24", help="Poisson arrival rates, requests/s")
     parser.add_argument("--repeats", type=int, default=1, help="runs of burst-logprobs")
     parser.add_argument("--loop-load", type=float, default=0.0, metavar="MS",
