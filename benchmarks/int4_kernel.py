@@ -2,20 +2,20 @@
 
     python3 benchmarks/int4_kernel.py [--ms 1,16,64,256,2048] [--shapes 4096x4096] [--group 128] [--sweep]
 
-For (N, K) in 6144x4096 (q|k|v), 4096x4096 (o_proj), 24576x4096 (gate|up)
-and 4096x12288 (down), as the model runs them, group size 128, bf16
-activations, and M tokens: microseconds per call, timed as CUDA-graph replays
-of calls that cycle through enough copies of the weights that none is still
-in L2 (as in a model, where each layer's weights are read once per step),
-each copy with its own split-K counters as Int4Linear holds them. The floor is the packed weight, scales,
-zeros, x and y bytes at the copy bandwidth, or 2 M N K FLOPs at the bf16
-matmul rate, whichever is longer, both measured in the same run; the peer is
-F.linear with bf16 weights, timed the same way. err is int4_linear's largest
-difference from int4_linear_ref relative to the largest output. The table's
-config is timed at every M; at one row and from DEQUANTIZE_ROWS rows
-int4_linear runs another path, timed on a line of its own. --sweep also
-times the candidate configs of each M bucket, and at one row GEMV_SWEEP's
-configs of the one-row kernel.
+For (N, K) in 6144x4096 (q|k|v), 4096x4096 (o_proj), 24576x4096 (gate|up) and
+4096x12288 (down), as the model runs them, group size 128, bf16 activations,
+and M tokens: microseconds per call, timed as CUDA-graph replays of calls that
+cycle through enough copies of the weights that none is still in L2 (as in a
+model, where each layer's weights are read once per step), each copy with its
+own split-K counters as Int4Linear holds them. The floor is the packed weight,
+scales, zeros, x and y bytes at the copy bandwidth, or 2 M N K FLOPs at the
+bf16 matmul rate, whichever is longer, both measured in the same run; the peer
+is F.linear with bf16 weights, timed the same way. err is int4_linear's
+largest difference from int4_linear_ref relative to the largest output. The
+table's config is timed at every M; at one row and from DEQUANTIZE_ROWS rows
+int4_linear runs another path, timed on a line of its own. --sweep also times
+the candidate configs of each M bucket, and at one row GEMV_SWEEP's configs of
+the one-row kernel.
 """
 from __future__ import annotations
 
