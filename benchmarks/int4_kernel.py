@@ -116,7 +116,8 @@ def main() -> None:
                 for cfg in GEMV_SWEEP:
                     got = int4_gemv(x, *layers[0][:3], g, None, layers[0][3], config=cfg)
                     e = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-                    t = per_call_us([lambda lay=lay: int4_gemv(x, *lay[:3], g, None, lay[3], config=cfg) for lay in layers])
+                    t = per_call_us([lambda lay=lay: int4_gemv(x, *lay[:3], g, None, lay[3], config=cfg)
+                                     for lay in layers])
                     print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                           f" {e:8.1e}  one-row kernel {cfg} (table: {GEMV_CONFIG})", flush=True)
 

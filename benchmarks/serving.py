@@ -44,12 +44,13 @@ Parts:
   --http-clients processes, each its share of the requests at once with the
   openai client's AsyncOpenAI: one streamed /v1/completions each (the
   prompt as --prompts says, ignore_eos and return_token_ids as extra body
-  fields, usage in the last chunk); with --client httpx, a bare httpx client that parses each
-  chunk's line with json instead, which sets what the openai client costs
-  apart from the server. A request counts its chunks' token ids; one that errs, or gets
-  other than its max_tokens there or in its usage, counts as failed. The client parses every
-  chunk with pydantic, so one client process would bound the figure; the
-  processes are timed as scaleout's. Target: at least 0.9 of burst's tok/s.
+  fields, usage in the last chunk); with --client httpx, a bare httpx client
+  that parses each chunk's line with json instead, which sets what the openai
+  client costs apart from the server. A request counts its chunks' token ids;
+  one that errs, or gets other than its max_tokens there or in its usage,
+  counts as failed. The client parses every chunk with pydantic, so one client
+  process would bound the figure; the processes are timed as scaleout's.
+  Target: at least 0.9 of burst's tok/s.
 - poisson: for each of --rates, the requests arrive at exponential
   intervals (random.Random(1); the first at once), each submitted at its arrival time by its own
   task through one AsyncEngine (DELTA). At the client: TTFT = the first output
@@ -599,8 +600,8 @@ def path_rows(results: dict, expected: int, args) -> list[dict]:
         notes = [f"{of_burst:.3f} of burst (>= 0.9: {'yes' if of_burst >= 0.9 else 'no'})"] if of_burst else []
         if r["failed_requests"]:
             notes.append(f"{r['failed_requests']} failed requests, first: {r['errors'][0]}")
-        row(f"headrace serve, {args.client} client (--api-servers {args.api_servers}, --http-clients {args.http_clients})",
-            value, notes, [r])
+        row(f"headrace serve, {args.client} client (--api-servers {args.api_servers}, "
+            f"--http-clients {args.http_clients})", value, notes, [r])
         rows[-1]["of_burst"] = of_burst
     return rows
 

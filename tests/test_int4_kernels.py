@@ -165,7 +165,6 @@ def test_one_row_gemv(k, n, g, dtype, monkeypatch):
         _assert_near(got[0], want, x, w)
 
 
-
 def test_one_row_gemv_leaves_k_whole_for_wide_layers(monkeypatch):
     """From WHOLE_K_TILES output tiles an SM (as gate|up has) the one-row kernel runs K unsplit, and its
     result is the reference's; narrower layers split K as before."""
@@ -174,9 +173,10 @@ def test_one_row_gemv_leaves_k_whole_for_wide_layers(monkeypatch):
     picked = []
     real_plan = gemv_module.splitk.plan
     monkeypatch.setattr(gemv_module.splitk, "plan", lambda *a: picked.append(a[-1]) or real_plan(*a))
-    monkeypatch.setattr(gemv_module, "num_sms", lambda device: 3)  # a small GPU, to keep the layers small
+    sms = 3  # a small GPU, to keep the layers small
+    monkeypatch.setattr(gemv_module, "num_sms", lambda device: sms)
     block_n = gemv_module.CONFIG[0]
-    wide = gemv_module.WHOLE_K_TILES * 3 * block_n
+    wide = gemv_module.WHOLE_K_TILES * sms * block_n
     for n, whole in ((wide, True), (wide - block_n, False)):
         k, g = 256, 128
         qweight, scales, zeros = _layer(k, n, g, torch.float16, seed=n)
@@ -185,6 +185,7 @@ def test_one_row_gemv_leaves_k_whole_for_wide_layers(monkeypatch):
         _assert_near(int4_gemv(x, qweight, scales, zeros, g, None), want, x,
                      dequantize_int4(qweight, scales, zeros, g, torch.float16))
         assert (picked[-1] == 1) == whole, (n, picked[-1])
+
 
 def test_strided_and_batched_x_and_reproducible():
     k, n, g = 128, 40, 32
