@@ -136,8 +136,11 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
 # separate norm and before a separate activation). On an H100 the kernel beat
 # norm + cuBLAS + SiLU at one row on every Qwen3-0.6B projection, but with the
 # norm folded in it took twice their time at 2 to 16 rows (benchmarks/dense_kernel.py).
+# A projection with nothing folded in (o, down) runs the kernel up to PLAIN_ROWS rows:
+# in a chain of Qwen3-0.6B layers at 4 and 8 rows, o and down through it and q|k|v and
+# gate|up through cuBLAS took 28.2 us a layer against 28.9-31.6 all through cuBLAS.
 # (ROWS, BLOCK_K, num_warps, num_stages) for more rows (tl.dot); row_config for one.
-FEW_ROWS, _MAX_ROWS = 1, 32
+FEW_ROWS, PLAIN_ROWS, _MAX_ROWS = 1, 8, 32
 DOT_CONFIG = (32, 256, 4, 3)
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
 _NORM_ELEMENTS = 4096  # per program and pass of the norm's first pass (registers: 32 a thread at 4 warps)
