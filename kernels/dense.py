@@ -136,8 +136,13 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
 # separate norm and before a separate activation). On an H100 the kernel beat
 # norm + cuBLAS + SiLU at one row on every Qwen3-0.6B projection, but with the
 # norm folded in it took twice their time at 2 to 16 rows (benchmarks/dense_kernel.py).
+# A projection with nothing folded in (o, down) of at most PLAIN_N weight rows runs the
+# kernel up to PLAIN_ROWS rows (max_rows): in a chain of Qwen3-0.6B layers at 4 and 8 rows,
+# o and down through it and q|k|v and gate|up through cuBLAS took 28.2 us a layer against
+# 28.9-31.6 all through cuBLAS, and the batch-8 decode step 3.5-4.4% less time. On
+# Qwen3-8B's o and down (4096 rows) it was 0.5-1 us slower than cuBLAS.
 # (ROWS, BLOCK_K, num_warps, num_stages) for more rows (tl.dot); row_config for one.
-FEW_ROWS, _MAX_ROWS = 1, 32
+FEW_ROWS, PLAIN_ROWS, PLAIN_N, _MAX_ROWS = 1, 8, 2048, 32
 DOT_CONFIG = (32, 256, 4, 3)
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
 _NORM_ELEMENTS = 4096  # per program and pass of the norm's first pass (registers: 32 a thread at 4 warps)
@@ -155,6 +160,12 @@ def row_config(n_rows: int, k: int) -> tuple[int, int, int, int]:
     if n_rows <= 2048:
         return 2, whole_k, 4, 1
     return (8, whole_k, 8, 1) if k <= 1024 else (8, 512, 4, 1)
+
+
+def max_rows(n_rows: int, plain: bool) -> int:
+    """The most rows the model sends the kernel for a weight of n_rows: PLAIN_ROWS for a projection with no
+    norm or activation folded in (plain) and at most PLAIN_N weight rows, else FEW_ROWS."""
+    return PLAIN_ROWS if plain and n_rows <= PLAIN_N else FEW_ROWS
 
 
 def split_k_tiles(n: int) -> int:

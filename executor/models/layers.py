@@ -48,8 +48,9 @@ def project(
     (kernels/dense.py); an FP8 layer that quantizes its input makes it with the
     norm in one launch (Fp8Linear.normed); otherwise the steps run one by one."""
     counts = getattr(linear, "splitk_counts", None)
-    if (counts is not None and x.is_cuda and 0 < x.shape[0] <= dense.FEW_ROWS and x.dtype == linear.weight.dtype
-            and (norm is None or norm.weight.dtype == x.dtype)):
+    plain = norm is None and not gated
+    if (counts is not None and x.is_cuda and 0 < x.shape[0] <= dense.max_rows(linear.weight.shape[0], plain)
+            and x.dtype == linear.weight.dtype and (norm is None or norm.weight.dtype == x.dtype)):
         return dense.dense_linear(x, linear.weight, linear.bias, None if norm is None else (norm.weight, norm.eps),
                                   residual, gated, counts)
     quantizes = getattr(linear, "quantizes", None)  # an FP8 layer, whose input quantization can take the norm in
