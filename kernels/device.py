@@ -44,3 +44,17 @@ def wait_for_previous(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# cp.async.bulk.prefetch.L2 asks L2 for a run of bytes and returns at once; a lane whose size is 0 issues
+# nothing. inline_asm_elementwise must return a value: the register is unused.
+_PREFETCH = tl.constexpr("{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+                         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
+
+
+@triton.jit
+def prefetch_l2(ptrs, nbytes):
+    """Ask L2 for nbytes (int32, a multiple of 16; 0: none) at each of ptrs (16-byte aligned): a kernel's
+    first weight tiles, asked for before wait_for_previous, arrive while the kernel before ends."""
+    tl.inline_asm_elementwise(_PREFETCH, "=r,l,r", [ptrs.to(tl.pointer_type(tl.int8)), nbytes], dtype=tl.int32,
+                              is_pure=False, pack=1)

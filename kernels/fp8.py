@@ -18,7 +18,7 @@ import triton.language as tl
 
 from headrace.kernels import splitk
 from headrace.kernels.activation import silu_mul
-from headrace.kernels.device import pdl_args, wait_for_previous
+from headrace.kernels.device import pdl_args, prefetch_l2, wait_for_previous
 from headrace.kernels.norm import add_and_normalize, cast_rtne
 from headrace.kernels.splitk import sum_splits
 
@@ -48,7 +48,8 @@ def _quantize_row(y, q_ptr, scale_ptr, row, offs, mask):
 # at most ONE_PASS columns is loaded once and kept in registers for both.
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLOCK: tl.constexpr,
-                          WHOLE: tl.constexpr):
+                          WHOLE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     if WHOLE:  # the row in one block (BLOCK >= cols)
         offs = tl.arange(0, BLOCK)
@@ -92,7 +93,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         whole = cols <= ONE_PASS
         block = triton.next_power_of_2(cols) if whole else 4096
         _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), BLOCK=block, WHOLE=whole,
-                                       num_warps=_row_warps(block))
+                                       num_warps=_row_warps(block), **pdl_args(x.device))
     return q, scale
 
 
@@ -281,8 +282,7 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 @triton.jit(do_not_specialize=["M"])
 def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     tile, split = tl.program_id(0), tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)  # an n tile's m tiles run side by side, sharing its weights in L2
     offs_m = (tile % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -293,6 +293,10 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = xq_ptr + offs_m[:, None].to(tl.int64) * K + (k_start + offs_k)[None, :]  # [BLOCK_M, BLOCK_K] E4M3
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + (k_start + offs_k)[None, :]  # [BLOCK_N, BLOCK_K] E4M3
+    if PREFETCH:  # each weight row's first PREFETCH bytes of the split, while the kernel before ends
+        prefetch_l2(w_ptr + offs_n.to(tl.int64) * K + k_start,
+                    tl.where(mask_n, tl.minimum(k_end - k_start, PREFETCH), 0))
+    wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         in_k = (k0 + offs_k < k_end)[None, :]
@@ -320,6 +324,7 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the sweep's best or within 4%
 # on each shape at 16 to 64 rows; K split until every SM has about a program.
 MM_ROWS, MM_CONFIG, MM_PROGRAMS_PER_SM = 128, (64, 64, 128, 4, 5), 1
+MM_PREFETCH = 512  # bytes of each weight row a program asks L2 for before it waits for the kernel before
 
 
 def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -338,7 +343,9 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     _fp8_mm_kernel[(tiles, splits)](
         x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, part, counts,
         m, n, k, k_per_split, HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages, **pdl_args(x_q.device))
+        BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages,
+        PREFETCH=MM_PREFETCH if x_q.is_cuda and k % 16 == 0 and weight.data_ptr() % 16 == 0 else 0,
+        **pdl_args(x_q.device))
     return out
 
 
