@@ -1,4 +1,4 @@
-"""benchmarks/soak.py's CPU version: two minutes of mixed load through the openai
+"""benchmarks/soak.py's CPU version: a minute and a half of mixed load through the openai
 client against `headrace serve --api-servers 2` on the SmolLM2 GGUF, with an API
 server and then the core killed mid-run. The script's own checks decide: every
 request ended whole or with a clear error, none hung, the KV pool came back,
@@ -26,7 +26,7 @@ def test_soak_loses_nothing_through_a_dead_api_server_and_a_dead_core():
         pytest.skip(f"SmolLM2 GGUF not available: {e}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--model", model, "--device", "cpu",
-                        "--minutes", "2", "--clients", "6"], capture_output=True, text=True, env=env, timeout=420)
+                        "--minutes", "1.5", "--clients", "6"], capture_output=True, text=True, env=env, timeout=420)
     report = r.stdout
     assert r.returncode == 0 and "PASS" in report, report + r.stderr[-3000:]
     # both faults happened, and requests both succeeded and were refused with the core's restart
