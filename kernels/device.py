@@ -54,7 +54,7 @@ _PREFETCH = tl.constexpr("{ .reg .pred p; setp.gt.s32 p, $2, 0; "
 
 @triton.jit
 def prefetch_l2(ptrs, nbytes):
-    """Ask L2 for nbytes (int32, a multiple of 16; 0: none) at each of ptrs (16-byte aligned): a kernel's
-    first weight tiles, asked for before wait_for_previous, arrive while the kernel before ends."""
+    """Ask L2 for nbytes (int32, a multiple of 16; 0: none) at each of ptrs (16-byte aligned); sm_90 and later
+    only. A kernel's first weight tiles, asked for before wait_for_previous, arrive while the kernel before ends."""
     tl.inline_asm_elementwise(_PREFETCH, "=r,l,r", [ptrs.to(tl.pointer_type(tl.int8)), nbytes], dtype=tl.int32,
                               is_pure=False, pack=1)

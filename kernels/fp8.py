@@ -18,7 +18,7 @@ import triton.language as tl
 
 from headrace.kernels import splitk
 from headrace.kernels.activation import silu_mul
-from headrace.kernels.device import pdl_args, prefetch_l2, wait_for_previous
+from headrace.kernels.device import pdl, pdl_args, prefetch_l2, wait_for_previous
 from headrace.kernels.norm import add_and_normalize, cast_rtne
 from headrace.kernels.splitk import sum_splits
 
@@ -324,7 +324,9 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the sweep's best or within 4%
 # on each shape at 16 to 64 rows; K split until every SM has about a program.
 MM_ROWS, MM_CONFIG, MM_PROGRAMS_PER_SM = 128, (64, 64, 128, 4, 5), 1
-MM_PREFETCH = 512  # bytes of each weight row a program asks L2 for before it waits for the kernel before
+# Bytes of each weight row a program asks L2 for before it waits for the kernel before: only under PDL
+# (Hopper and later, where cp.async.bulk.prefetch exists), the one case where that wait overlaps anything.
+MM_PREFETCH = 512
 
 
 def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -344,7 +346,7 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
         x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, part, counts,
         m, n, k, k_per_split, HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages,
-        PREFETCH=MM_PREFETCH if x_q.is_cuda and k % 16 == 0 and weight.data_ptr() % 16 == 0 else 0,
+        PREFETCH=MM_PREFETCH if pdl(x_q.device) and k % 16 == 0 and weight.data_ptr() % 16 == 0 else 0,
         **pdl_args(x_q.device))
     return out
 

@@ -340,10 +340,10 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         raise ValueError("x must be contiguous in its last dimension")
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if x2.shape[0] == 1 and x.dtype != torch.float32:  # one row of a 16-bit model: kernels/int4_gemv.py
-        return int4_gemv(x2, qweight, scales, zeros, group_size, bias, counts).reshape(*x.shape[:-1], qweight.shape[1])
-    if x2.shape[0] >= DEQUANTIZE_ROWS:
+        out = int4_gemv(x2, qweight, scales, zeros, group_size, bias, counts)
+    elif x2.shape[0] >= DEQUANTIZE_ROWS:
         out = x2 @ dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype)
         out = out if bias is None else out + bias
-        return out.reshape(*x.shape[:-1], qweight.shape[1])
-    out = _launch(x2, qweight, scales, zeros, group_size, bias, _pick_config(x2.shape[0]), counts)
+    else:
+        out = _launch(x2, qweight, scales, zeros, group_size, bias, _pick_config(x2.shape[0]), counts)
     return out.reshape(*x.shape[:-1], qweight.shape[1])
