@@ -322,9 +322,11 @@ class ModelRunner:
             hidden = self.graphs.run(batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
         sampled, logprobs = sample(logits, batch, states, self.processors)
-        beams = select_beams(logits, batch, states, self.beam, sched.beam_selects) if sched.beam_selects else None
+        beams = None
+        if sched.beam_selects:
+            beams = select_beams(logits.float(), batch, states, self.beam, sched.beam_selects)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         self._advance(batch, sampled)
         pending = PendingOutput(

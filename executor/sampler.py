@@ -60,14 +60,16 @@ class ProcessorBatch:
 
 
 def sample(
-    logits: torch.Tensor,  # [num_rows, vocab] float32
+    logits: torch.Tensor,  # [num_rows, vocab] float32 or the model's 16-bit dtype: read as float32
     batch: InputBatch,
     states: RequestStates,
     processors=(),
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """The sampled token per row, and the logprobs packed in two device
     tensors for one host copy each (see SampledLogprobs). Nothing
-    here waits for the device."""
+    here waits for the device. 16-bit logits are widened only where
+    something rewrites them (processing, filters, temperature for
+    logprobs); the kernels widen them as they read."""
     st = states.sampling
     slots = batch.idx_mapping_np
     idx = batch.idx_mapping
@@ -86,12 +88,12 @@ def sample(
         seeds = st.seed.gpu[idx]
         final = None  # the scaled, filtered logits: made only when something reads them
         if _has_filters(slots, st):
-            final = _apply_filters(processed / scale[:, None], slots, idx, st)
+            final = _apply_filters(processed.float() / scale[:, None], slots, idx, st)
             sampled = dispatch.gumbel_sample(final, seeds, positions)
         else:  # the kernel scales by the temperature as it reads the logits
             sampled = dispatch.gumbel_sample(processed, seeds, positions, scale)
             if wants_logprobs.any() and st.processed.np[slots].any():  # read by _logprobs
-                final = processed / scale[:, None]
+                final = processed.float() / scale[:, None]
         if (temps == 0).any():
             sampled = torch.where(greedy, processed.argmax(dim=-1), sampled)
     if not wants_logprobs.any():
@@ -113,7 +115,7 @@ def _process(logits, slots, idx, st: SamplingState, token_ids, num_tokens, proce
                           | (st.frequency.np[slots] != 0))[0]
     if not (allowed.any() or bad_rows or min_rows.size or bias_rows.size or pen_rows.size or processors):
         return logits
-    x = logits.clone()
+    x = logits.to(torch.float32, copy=True)
     dev = x.device
     if allowed.any():
         x.masked_fill_(~st.allowed.gpu[idx] & st.has_allowed.gpu[idx][:, None], float("-inf"))

@@ -16,10 +16,11 @@ ACT_SIGMOID = 1
 
 
 def compute_scores_ref(
-    logits: torch.Tensor,  # [num_rows, vocab] float32
+    logits: torch.Tensor,  # [num_rows, vocab] float32 or 16-bit: read as float32
     token_ids: torch.Tensor,  # [num_rows, k] int64, -1 = no token (score left 0)
     act: torch.Tensor,  # [num_rows] int32, ACT_LOG_SOFTMAX or ACT_SIGMOID
 ) -> torch.Tensor:  # [num_rows, k] float32
+    logits = logits.float()
     valid = token_ids >= 0
     picked = logits.gather(-1, token_ids.clamp(min=0))
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -28,7 +29,7 @@ def compute_scores_ref(
 
 
 def token_ranks_ref(
-    logits: torch.Tensor,  # [num_rows, vocab] float32
+    logits: torch.Tensor,  # [num_rows, vocab] float32 or 16-bit: read as float32
     token_ids: torch.Tensor,  # [num_rows] int64
 ) -> torch.Tensor:  # [num_rows] int64, 1 = the most likely token
     picked = logits.gather(-1, token_ids[:, None])
@@ -102,7 +103,7 @@ def _compute_scores_kernel(
 
 
 def compute_scores(
-    logits: torch.Tensor,  # [num_rows, vocab] float32
+    logits: torch.Tensor,  # [num_rows, vocab] float32 or 16-bit: read as float32
     token_ids: torch.Tensor,  # [num_rows, k] int64, -1 = no token (score left 0)
     act: torch.Tensor,  # [num_rows] int32, ACT_LOG_SOFTMAX or ACT_SIGMOID
 ) -> torch.Tensor:  # [num_rows, k] float32
@@ -135,18 +136,18 @@ def _token_ranks_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_stride
-    picked = tl.load(row_ptr + tl.load(token_ids_ptr + row))
+    picked = tl.load(row_ptr + tl.load(token_ids_ptr + row)).to(tl.float32)
     offs = tl.arange(0, BLOCK)
     above = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab_size, BLOCK):
         # Masked lanes read -inf, which is never strictly greater.
-        x = tl.load(row_ptr + start + offs, mask=start + offs < vocab_size, other=float("-inf"))
+        x = tl.load(row_ptr + start + offs, mask=start + offs < vocab_size, other=float("-inf")).to(tl.float32)
         above += (x > picked).to(tl.int32)
     tl.store(out_ptr + row, tl.sum(above, axis=0).to(tl.int64) + 1)
 
 
 def token_ranks(
-    logits: torch.Tensor,  # [num_rows, vocab] float32
+    logits: torch.Tensor,  # [num_rows, vocab] float32 or 16-bit: read as float32
     token_ids: torch.Tensor,  # [num_rows] int64
 ) -> torch.Tensor:  # [num_rows] int64, 1 = the most likely token
     """Triton version of token_ranks_ref: 1 + the number of logits strictly above the token's."""
@@ -209,7 +210,7 @@ def fill_token_ids(
 
 
 def top_logprobs_ref(
-    logits: torch.Tensor,  # [num_rows, vocab] float32
+    logits: torch.Tensor,  # [num_rows, vocab] float32 or 16-bit: read as float32
     sampled: torch.Tensor,  # [num_rows] int64
     act: torch.Tensor,  # [num_rows] int32, ACT_LOG_SOFTMAX or ACT_SIGMOID
     n: int,  # top ids per row, 0 to 20
@@ -251,8 +252,8 @@ def _top_logprobs_chunk_kernel(logits_ptr, logits_stride, sampled_ptr, part_ptr,
     row_ptr = logits_ptr + row * logits_stride
     ids = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = ids < vocab_size
-    x = tl.load(row_ptr + ids, mask=valid, other=float("-inf"))
-    picked = tl.load(row_ptr + tl.load(sampled_ptr + row))
+    x = tl.load(row_ptr + ids, mask=valid, other=float("-inf")).to(tl.float32)
+    picked = tl.load(row_ptr + tl.load(sampled_ptr + row)).to(tl.float32)
     m = tl.max(x, axis=0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)  # a chunk of -inf only: s = 0
     s = tl.sum(tl.exp(x - m_safe), axis=0)
@@ -290,7 +291,7 @@ def _top_logprobs_row_kernel(logits_ptr, logits_stride, sampled_ptr, act_ptr, pa
     lse = row_max + tl.log(tl.sum(s * tl.exp(m - max_safe), axis=0))
     act = tl.load(act_ptr + row)
     token = tl.load(sampled_ptr + row)
-    picked = tl.load(logits_ptr + row * logits_stride + token)
+    picked = tl.load(logits_ptr + row * logits_stride + token).to(tl.float32)
     out_i, out_f = ints_ptr + row * (N + 2), floats_ptr + row * (N + 2)
     tl.store(out_i, token.to(tl.int32))
     tl.store(out_f, _score(picked, lse, act))
@@ -311,7 +312,7 @@ def _top_logprobs_row_kernel(logits_ptr, logits_stride, sampled_ptr, act_ptr, pa
 
 
 def top_logprobs(
-    logits: torch.Tensor,  # [num_rows, vocab] float32
+    logits: torch.Tensor,  # [num_rows, vocab] float32 or 16-bit: read as float32
     sampled: torch.Tensor,  # [num_rows] int64
     act: torch.Tensor,  # [num_rows] int32, ACT_LOG_SOFTMAX or ACT_SIGMOID
     n: int,  # top ids per row, 0 to 20
@@ -320,7 +321,7 @@ def top_logprobs(
     num_rows, vocab_size = logits.shape
     if not 0 <= n <= vocab_size:
         raise ValueError(f"top_logprobs: n must be in [0, {vocab_size}], got {n}")
-    assert logits.stride(-1) == 1 and logits.dtype == torch.float32
+    assert logits.stride(-1) == 1
     ints = torch.empty((num_rows, n + 2), dtype=torch.int32, device=logits.device)
     floats = torch.empty((num_rows, n + 2), dtype=torch.float32, device=logits.device)
     if num_rows == 0:

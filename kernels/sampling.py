@@ -5,6 +5,13 @@ token id), so its samples do not depend on which other requests share the
 batch, on batch order, or on preemption and recompute. The hash is a
 few rounds of a 32-bit integer mixer computed in int64 with every product
 kept below 2**63, so it is exact on any backend.
+
+Its 32 bits b make the uniform u = (b + 0.5) / 2**32 (uniform_ref, in
+float64) and the Gumbel noise -log(-log(u)), computed in float32 from b
+(gumbel_from_bits_ref): for b < 2**31 from u, for the upper half from
+1 - u, exact in float32, through log1p, so that noise near the top of its
+range keeps its precision. Both references and both kernels take the same
+float32 steps.
 """
 from __future__ import annotations
 
@@ -24,22 +31,44 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def uniform_ref(
+def random_bits_ref(
     seeds: torch.Tensor,  # [num_rows] int64
     positions: torch.Tensor,  # [num_rows] int64, the position of the token being sampled
     vocab_size: int,
-) -> torch.Tensor:  # [num_rows, vocab_size] float64 in (0, 1)
+) -> torch.Tensor:  # [num_rows, vocab_size] int64 in [0, 2**32)
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
     key = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
     key = _mix32(key ^ (positions & _M32))  # [num_rows]
     tokens = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) ^ 0x632BE5AB)
-    bits = _mix32(key[:, None] ^ tokens[None, :])
-    return (bits.double() + 0.5) / 2.0**32
+    return _mix32(key[:, None] ^ tokens[None, :])
+
+
+def uniform_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[num_rows, vocab_size] float64 in (0, 1): (bits + 0.5) / 2**32, exact."""
+    return (random_bits_ref(seeds, positions, vocab_size).double() + 0.5) / 2.0**32
+
+
+_INV_2_32 = 2.0**-32
+
+
+def gumbel_from_bits_ref(bits: torch.Tensor) -> torch.Tensor:  # int64 in [0, 2**32) -> float32
+    """-log(-log((bits + 0.5) / 2**32)) in float32. The exponential draw -log(u)
+    is -log(u) below one half, and -log1p(-t) with t = 1 - u above, which the
+    lower bits give exactly where u itself would round to 1; -log1p(-t) is
+    t * (-log(w) / (1 - w)) for w = 1 - t as rounded (t itself where w is 1)."""
+    low = bits < 2**31
+    u = (bits.float() + 0.5) * _INV_2_32
+    t = ((_M32 - bits).float() + 0.5) * _INV_2_32  # 1 - u
+    x = torch.where(low, u, 1.0 - t)
+    e = -torch.log(x)
+    one = x == 1.0
+    e = torch.where(low, e, torch.where(one, t, t * (e / torch.where(one, 1.0, 1.0 - x))))
+    return -torch.log(e)
 
 
 def gumbel_ref(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Standard Gumbel noise [num_rows, vocab_size] float32: argmax(logits + noise) samples softmax(logits)."""
-    return -torch.log(-torch.log(uniform_ref(seeds, positions, vocab_size))).float()
+    return gumbel_from_bits_ref(random_bits_ref(seeds, positions, vocab_size))
 
 
 def gumbel_sample_ref(
@@ -49,6 +78,7 @@ def gumbel_sample_ref(
     temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled
 ) -> torch.Tensor:  # [num_rows] int64
     """Gumbel-max: argmax(logits / temperature + Gumbel noise) is a sample of softmax(logits / temperature)."""
+    logits = logits.float()
     if temperature is not None:
         logits = logits / temperature[:, None]
     return (logits + gumbel_ref(seeds, positions, logits.shape[-1])).argmax(dim=-1)
@@ -58,9 +88,9 @@ def gumbel_sample_ref(
 # 2**32, which is exactly the reference's `* _MUL & _M32`, and `>>` on
 # unsigned values is a logical shift, as on the reference's values in
 # [0, 2**32). uniform() pins the bits against uniform_ref with torch.equal.
-# The uniform and the Gumbel noise are computed in float64 (the interpreter
-# and the GPU both support float64 log), then the noise is rounded to float32
-# and added to float32 logits, as the reference does.
+# The Gumbel noise takes gumbel_from_bits_ref's float32 steps; its logs may
+# differ from torch's in the last bits, which moves a sample only where the
+# top two values of logits + noise tie to that precision.
 _VOCAB_BLOCK = 1024
 
 
@@ -82,10 +112,22 @@ def _row_key(seeds_ptr, positions_ptr, row):
 
 
 @triton.jit
-def _uniform_f64(key, token):
-    """(bits + 0.5) / 2**32 in float64, for int32 token ids and a uint32 key."""
-    bits = _mix32_tl(key ^ _mix32_tl(token.to(tl.uint32) ^ 0x632BE5AB))
-    return (bits.to(tl.float64) + 0.5) / 4294967296.0
+def _bits(key, token):
+    """The hash's uint32 bits for int32 token ids and a uint32 key."""
+    return _mix32_tl(key ^ _mix32_tl(token.to(tl.uint32) ^ 0x632BE5AB))
+
+
+@triton.jit
+def _gumbel_f32(bits):
+    """gumbel_from_bits_ref, step for step in float32, for uint32 bits."""
+    low = bits < 0x80000000
+    u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    t = ((~bits).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # ~bits = 2**32 - 1 - bits
+    x = tl.where(low, u, 1.0 - t)
+    e = -tl.log(x)
+    one = x == 1.0
+    e = tl.where(low, e, tl.where(one, t, t * (e / tl.where(one, 1.0, 1.0 - x))))
+    return -tl.log(e)
 
 
 @triton.jit
@@ -97,7 +139,7 @@ def _uniform_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     token = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    u = _uniform_f64(_row_key(seeds_ptr, positions_ptr, row), token)
+    u = (_bits(_row_key(seeds_ptr, positions_ptr, row), token).to(tl.float64) + 0.5) / 4294967296.0
     tl.store(out_ptr + row * out_stride + token, u, mask=token < vocab_size)
 
 
@@ -112,6 +154,22 @@ def uniform(
         return out
     grid = (num_rows, triton.cdiv(vocab_size, _VOCAB_BLOCK))
     _uniform_kernel[grid](seeds, positions, out, out.stride(0), vocab_size, BLOCK=_VOCAB_BLOCK)
+    return out
+
+
+@triton.jit
+def _gumbel_from_bits_kernel(bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + i, mask=i < n, other=0).to(tl.uint32)
+    tl.store(out_ptr + i, _gumbel_f32(bits), mask=i < n)
+
+
+def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:  # [n] int64 in [0, 2**32) -> [n] float32
+    """The sampling kernel's noise for given bits, against gumbel_from_bits_ref."""
+    out = torch.empty(bits.shape, dtype=torch.float32, device=bits.device)
+    if bits.numel():
+        _gumbel_from_bits_kernel[(triton.cdiv(bits.numel(), _VOCAB_BLOCK),)](bits, out, bits.numel(),
+                                                                            BLOCK=_VOCAB_BLOCK)
     return out
 
 
@@ -146,9 +204,7 @@ def _gumbel_sample_kernel(
         x = tl.load(logits_ptr + row * logits_stride + token, mask=mask, other=float("-inf")).to(tl.float32)
         if HAS_TEMPERATURE:
             x = tl.math.div_rn(x, temperature)  # correctly rounded, as torch's division
-        u = _uniform_f64(key, token)
-        noise = (-tl.log(-tl.log(u))).to(tl.float32)
-        v = tl.where(mask, x + noise, float("-inf"))
+        v = tl.where(mask, x + _gumbel_f32(_bits(key, token)), float("-inf"))
         better = v > best
         best = tl.where(better, v, best)
         best_idx = tl.where(better, token, best_idx)
@@ -159,13 +215,13 @@ def _gumbel_sample_kernel(
 
 
 def _gumbel_num_chunks(num_rows: int, vocab_size: int, device: torch.device) -> int:
-    """Enough (row, chunk) programs for eight per SM (the float64 hash math
-    needs the occupancy to hide its latency), in whole BLOCKs of the vocabulary."""
+    """Enough (row, chunk) programs for eight per SM (the hash and the logs
+    need the occupancy to hide their latency), in whole BLOCKs of the vocabulary."""
     return max(1, min(-(-vocab_size // _VOCAB_BLOCK), -(-8 * num_sms(device) // num_rows)))
 
 
 def gumbel_sample(
-    logits: torch.Tensor,  # [num_rows, vocab] float32: filtered (-inf = banned)
+    logits: torch.Tensor,  # [num_rows, vocab] float32, or the model's 16-bit dtype: filtered (-inf = banned)
     seeds: torch.Tensor,  # [num_rows] int64
     positions: torch.Tensor,  # [num_rows] int64
     temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled

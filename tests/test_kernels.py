@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from headrace.kernels.attention import paged_attention_ref, write_kv_ref
-from headrace.kernels.sampling import gumbel_ref, uniform_ref
+from headrace.kernels.sampling import gumbel_from_bits_ref, gumbel_ref, uniform_ref
 
 
 def dense_causal_attention(q, k, v, scale):
@@ -84,6 +84,25 @@ def test_uniform_statistics():
     # neighbouring token ids are not correlated
     c = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()
     assert abs(c) < 0.01
+
+
+def edge_bits() -> torch.Tensor:
+    """Bits over the whole range, densest where the noise is hardest: both ends and the halves' seam."""
+    g = torch.Generator().manual_seed(0)
+    ends = torch.arange(4096, dtype=torch.int64)
+    return torch.cat([ends, 2**31 - 2048 + ends, 2**32 - 4096 + ends, torch.randint(0, 2**32, (100_000,), generator=g)])
+
+
+def test_gumbel_noise_float32_against_float64():
+    """The float32 noise is -log(-log(u)) to a few float32 ulps everywhere, also where
+    u itself would round to 1 in float32 (the top 2**7 bit patterns) and noise runs to 22.9."""
+    bits = edge_bits()
+    truth = -torch.log(-torch.log((bits.double() + 0.5) / 2.0**32))
+    got = gumbel_from_bits_ref(bits)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    err = (got.double() - truth).abs()
+    assert (err <= 4e-7 * truth.abs().clamp(min=1.0)).all(), err.max()
+    assert got.max() > 22.8 and got.min() < -3.0  # the two ends are reached
 
 
 def test_gumbel_max_samples_softmax():

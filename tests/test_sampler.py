@@ -95,6 +95,26 @@ def test_sample_respects_filters_and_greedy_rows():
         assert kept[tokens[2]]
 
 
+def test_sample_reads_bf16_logits_as_their_float32_widening():
+    """The model runner passes the LM head's bf16 logits: every path (greedy, temperature, filters,
+    penalties, logprobs of raw and processed logits) samples and scores as on the widened float32."""
+    torch.manual_seed(2)
+    logits = (torch.randn(6, 200) * 3).bfloat16()
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.8, logprobs=2),
+              SamplingParams(temperature=1.0, top_k=5, logprobs=1, logprobs_mode="processed"),
+              SamplingParams(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.2),
+              SamplingParams(temperature=1.2, top_p=0.7, logprobs=0), SamplingParams(temperature=0.6)]
+    for seed in range(8):
+        outs = []
+        for x in (logits, logits.float()):
+            states, batch = make_states(params, seeds=[seed * 10 + i for i in range(6)], vocab=200)
+            batch.set_seq_lens(np.full(6, 3 + seed))
+            outs.append(sample(x, batch, states))
+        (tok16, lp16), (tok32, lp32) = outs
+        assert torch.equal(tok16, tok32)
+        assert torch.equal(lp16[0], lp32[0]) and torch.equal(lp16[1], lp32[1])
+
+
 def test_sampling_params_validation():
     for kwargs, field in [
         (dict(temperature=-0.1), "temperature"),

@@ -21,7 +21,9 @@ from headrace.kernels.logprobs import (  # noqa: E402
     top_logprobs, top_logprobs_ref,
 )
 from headrace.kernels.penalties import apply_penalties, apply_penalties_ref  # noqa: E402
-from headrace.kernels.sampling import gumbel_ref, gumbel_sample, gumbel_sample_ref, uniform, uniform_ref  # noqa: E402
+from headrace.kernels.sampling import (  # noqa: E402
+    gumbel_from_bits, gumbel_from_bits_ref, gumbel_ref, gumbel_sample, gumbel_sample_ref, uniform, uniform_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -130,6 +132,28 @@ def test_top_logprobs_ties():
     assert torch.equal(got_i[:, [0, -1]], want_i[:, [0, -1]])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_logits_read_as_their_widening(dtype):
+    """The sampler hands the LM head's 16-bit logits straight to these kernels:
+    each must give exactly what it gives on the same logits widened to float32."""
+    g = _gen(7)
+    rows, vocab = 6, 5000
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    logits[0, 7] = float("-inf")
+    wide = logits.float()
+    sampled = torch.randint(0, vocab, (rows,), generator=g)
+    act = torch.tensor([0, 1, 0, 0, 1, 0], dtype=torch.int32)
+    seeds, positions = torch.randint(0, 2**40, (rows,), generator=g), torch.arange(rows) * 11
+    temperature = torch.rand(rows, generator=g) + 0.3
+    ids = torch.randint(0, vocab, (rows, 4), generator=g)
+    for fn, args in [(gumbel_sample, (seeds, positions, temperature)), (gumbel_sample, (seeds, positions)),
+                     (top_logprobs, (sampled, act, 5)), (compute_scores, (ids, act)), (token_ranks, (sampled,))]:
+        args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
+        got, want = fn(logits.to(DEVICE), *args), fn(wide.to(DEVICE), *args)
+        for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+            assert torch.equal(a.cpu(), b.cpu()), fn.__name__
+
+
 @pytest.mark.parametrize("max_ids", [0, 1, 5, 20, 129])
 @pytest.mark.parametrize("rows", [1, 4, 33])
 def test_fill_token_ids(rows, max_ids, poisoned_empty):
@@ -165,9 +189,19 @@ def test_uniform_bits_match(rows, vocab, poisoned_empty):
     assert got.dtype == torch.float64 and torch.equal(got, want)
 
 
+def test_gumbel_noise_matches_reference():
+    from test_kernels import edge_bits
+
+    bits = edge_bits()
+    want = gumbel_from_bits_ref(bits)
+    got = gumbel_from_bits(bits.to(DEVICE)).cpu()
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=4e-7)
+
+
 # Sampled tokens must equal the reference's unless the reference's top two
-# values of logits + noise are this close (relative): the noise is computed in
-# float64 in both, so a difference there is at most a last-bit one in log.
+# values of logits + noise are this close (relative): the noise takes the same
+# float32 steps in both, so a difference there is a last-bits one in log.
 _NEAR_TIE = 1e-5
 
 

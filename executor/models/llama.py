@@ -133,14 +133,16 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:  # [num_rows, vocab]
+        """float32 logits, or with upcast off in the head's own dtype (the
+        sampler's kernels widen them as they read)."""
         if self.lm_head is None:
             logits = nn.functional.linear(hidden, self.embed_tokens.weight)
         else:  # an FP8 head's rows are padded to a multiple of 16 (a GPTQ head's are not)
             logits = self.lm_head(hidden)[:, : self.vocab_rows]
         if self.tp.size == 1:
-            return logits.float().contiguous()
-        return self.tp.all_gather_columns(logits, torch.float32)[:, : self.cfg.vocab_size]
+            return (logits.float() if upcast else logits).contiguous()
+        return self.tp.all_gather_columns(logits, torch.float32 if upcast else logits.dtype)[:, : self.cfg.vocab_size]
 
     def shard_sizes(self, fused: str) -> list[int]:
         attn = self.layers[0].self_attn
