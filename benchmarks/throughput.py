@@ -2,6 +2,7 @@
 floor and transformers' continuous batching.
 
     python3 benchmarks/throughput.py [--num-requests 256] [--peer-requests 32] [--model DIR]
+                                     [--parts overlapped,serial,windows,peer] [--kernels]
 
 Workload: seed 0; prompts of uniform [100, 1024] random token ids in [0,
 10000); max_tokens uniform [100, 1024]; temperature 0.6; ignore_eos;
@@ -16,7 +17,11 @@ The run is made with overlapped scheduling and again one step at a time,
 with the GPU's idle time between steps from CUDA events around each queued
 step. The peer is transformers' generate_batch on the first --peer-requests
 requests (all with the same max_new_tokens, which generate_batch needs),
-run by both engines.
+run by both engines. --parts picks among those four runs (the overlapped
+one, one step at a time, the profiled windows, the peer); --kernels adds one
+more overlapped run under the torch profiler and prints its GPU time by
+kernel (set HEADRACE_PDL=0 for kernel times that hold no wait for the kernel
+ahead).
 """
 from __future__ import annotations
 
@@ -57,6 +62,21 @@ def run_ours(core: EngineCore, prompts, max_tokens, windows=()):
     return time.perf_counter() - t0, out, busy
 
 
+def kernel_table(core: EngineCore, prompts, max_tokens) -> None:
+    """One overlapped run under the torch profiler: GPU seconds by kernel, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        elapsed, _, _ = run_ours(core, prompts, max_tokens)
+    busy, wall = gpu_busy(prof)
+    rows = sorted(((e.self_device_time_total, e.count, e.key) for e in prof.key_averages()
+                   if e.self_device_time_total > 0), reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"by kernel (one run, {elapsed:.2f} s under the profiler; GPU busy {busy:.2f} of {wall:.2f} s):")
+    for us, count, name in rows[:25]:
+        print(f"  {us / 1e6:8.3f} s {100 * us / total:5.1f}% {count:8d} calls {us / count:8.1f} us  {name[:90]}")
+
+
 def run_peer(model_dir: str, prompts, max_new_tokens: int) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -76,7 +96,13 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--peer-requests", type=int, default=32)
     parser.add_argument("--peer-max-tokens", type=int, default=256)
+    parser.add_argument("--parts", default="overlapped,serial,windows,peer")
+    parser.add_argument("--kernels", action="store_true", help="GPU time by kernel over one overlapped run")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    unknown = parts - {"overlapped", "serial", "windows", "peer"}
+    if unknown:
+        parser.error(f"unknown --parts {sorted(unknown)}")
     model = args.model or str(qwen3_06b_checkpoint())
     bw, rate = measure_ceilings(torch.device("cuda"))
     # No prefix caching: the prompts share nothing, and repeated runs of the
@@ -90,6 +116,8 @@ def main() -> None:
     timeline = StepTimeline(core)
     overlapped_steps = 0
     for overlap in (True, False):
+        if ("overlapped" if overlap else "serial") not in parts:
+            continue
         core.async_scheduling = overlap
         rec = ScheduleRecorder(core)
         timeline.reset()
@@ -103,13 +131,18 @@ def main() -> None:
               f"{out_tokens / floor:.0f} tok/s; time / floor = {elapsed / floor:.2f}; "
               f"GPU idle between steps {100 * idle / wall:.1f}% of {wall:.2f} s")
     core.async_scheduling = True
-    # A profiled rerun (the profiler slows the host): a window with every request
-    # decoding, and one in the tail where few are left.
-    windows = [(100, 50), (overlapped_steps - 150, 50)]
-    _, _, busy = run_ours(core, prompts, max_tokens, windows=windows)
-    for (first, n), (gpu, wall) in zip(windows, busy):
-        print(f"  overlapped, steps {first}-{first + n - 1} under the profiler: GPU idle {100 * (1 - gpu / wall):.1f}% "
-              f"of {wall:.3f} s (between and within steps)")
+    if "windows" in parts and overlapped_steps:
+        # A profiled rerun (the profiler slows the host): a window with every request
+        # decoding, and one in the tail where few are left.
+        windows = [(100, 50), (overlapped_steps - 150, 50)]
+        _, _, busy = run_ours(core, prompts, max_tokens, windows=windows)
+        for (first, n), (gpu, wall) in zip(windows, busy):
+            print(f"  overlapped, steps {first}-{first + n - 1} under the profiler: GPU idle "
+                  f"{100 * (1 - gpu / wall):.1f}% of {wall:.3f} s (between and within steps)")
+    if args.kernels:
+        kernel_table(core, prompts, max_tokens)
+    if "peer" not in parts:
+        return
     sub = prompts[: args.peer_requests]
     ours_t, ours_n, _ = run_ours(core, sub, [args.peer_max_tokens] * len(sub))
     try:
