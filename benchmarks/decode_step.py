@@ -94,9 +94,10 @@ def main() -> None:
             timeline = StepTimeline(core)
             rng = random.Random(0)
             # Requests whose prefill ends early decode while the others prefill:
-            # leave them room (at least 64 tokens, and every timed or profiled step) so that every
-            # row is still running, and decoding near `context`, in the timed steps.
-            room = max(64, (4 if args.profile else 2) * args.steps + 16)
+            # leave them room (at least 64 tokens, and every prefill, timed or profiled step) so
+            # that every row is still running, and decoding near `context`, in the timed steps.
+            prefill_steps = -(-batch * context // core.sched_config.max_num_batched_tokens)
+            room = max(64, (4 if args.profile else 2) * args.steps + 16 + prefill_steps)
             prompt_len = context - room
             sp = SamplingParams(temperature=0.6, max_tokens=room, ignore_eos=True)
             for i in range(batch):
