@@ -18,7 +18,8 @@ with the GPU's idle time between steps from CUDA events around each queued
 step. The peer is transformers' generate_batch on the first --peer-requests
 requests (all with the same max_new_tokens, which generate_batch needs),
 run by both engines. --parts picks among those four runs (the overlapped
-one, one step at a time, the profiled windows, the peer); --repeats runs the
+one, one step at a time, the profiled windows of a rerun of the overlapped
+one, the peer; windows needs overlapped); --repeats runs the
 first two that many times in the same engine (the first run of a process also
 pays first uses, such as Triton compiles for new shapes); --kernels adds one
 more overlapped run under the torch profiler and prints its GPU time by
@@ -106,6 +107,8 @@ def main() -> None:
     unknown = parts - {"overlapped", "serial", "windows", "peer"}
     if unknown:
         parser.error(f"unknown --parts {sorted(unknown)}")
+    if "windows" in parts and "overlapped" not in parts:
+        parser.error("--parts windows needs overlapped (its windows are steps of the overlapped run)")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     model = args.model or str(qwen3_06b_checkpoint())
@@ -136,7 +139,7 @@ def main() -> None:
               f"{out_tokens / floor:.0f} tok/s; time / floor = {elapsed / floor:.2f}; "
               f"GPU idle between steps {100 * idle / wall:.1f}% of {wall:.2f} s")
     core.async_scheduling = True
-    if "windows" in parts and overlapped_steps:
+    if "windows" in parts:
         # A profiled rerun (the profiler slows the host): a window with every request
         # decoding, and one in the tail where few are left.
         windows = [(100, 50), (overlapped_steps - 150, 50)]
