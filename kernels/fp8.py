@@ -18,7 +18,7 @@ import triton.language as tl
 
 from headrace.kernels import splitk
 from headrace.kernels.activation import silu_mul
-from headrace.kernels.device import pdl, pdl_args, prefetch_l2, wait_for_previous
+from headrace.kernels.device import pdl_args, prefetch_l2, wait_for_previous
 from headrace.kernels.norm import add_and_normalize, cast_rtne
 from headrace.kernels.splitk import sum_splits
 
@@ -342,12 +342,12 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (m, n), out, counts, MM_PROGRAMS_PER_SM)
+    launch = pdl_args(x_q.device)
     _fp8_mm_kernel[(tiles, splits)](
         x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, part, counts,
         m, n, k, k_per_split, HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages,
-        PREFETCH=MM_PREFETCH if pdl(x_q.device) and k % 16 == 0 and weight.data_ptr() % 16 == 0 else 0,
-        **pdl_args(x_q.device))
+        PREFETCH=MM_PREFETCH if launch["PDL"] and k % 16 == 0 and weight.data_ptr() % 16 == 0 else 0, **launch)
     return out
 
 

@@ -92,6 +92,7 @@ def gumbel_sample_ref(
 # differ from torch's in the last bits, which moves a sample only where the
 # top two values of logits + noise tie to that precision.
 _VOCAB_BLOCK = 1024
+_INV_2_32_TL = tl.constexpr(_INV_2_32)  # readable inside kernels
 
 
 @triton.jit
@@ -121,8 +122,8 @@ def _bits(key, token):
 def _gumbel_f32(bits):
     """gumbel_from_bits_ref, step for step in float32, for uint32 bits."""
     low = bits < 0x80000000
-    u = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10
-    t = ((~bits).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # ~bits = 2**32 - 1 - bits
+    u = (bits.to(tl.float32) + 0.5) * _INV_2_32_TL
+    t = ((~bits).to(tl.float32) + 0.5) * _INV_2_32_TL  # ~bits = 2**32 - 1 - bits
     x = tl.where(low, u, 1.0 - t)
     e = -tl.log(x)
     one = x == 1.0
