@@ -44,10 +44,17 @@ def dense_linear_ref(
 
 
 # Triton: program (n tile, split) multiplies ROWS weight rows by its split's run
-# of K (kernels/splitk.py adds the splits). One row: FMAs in float32, summed
-# along K at each step; more rows: tl.dot, the rows padded to 16 or 32. Gated,
-# a tile's weight rows interleave gate and up (gate c, up c, gate c + 1, ...),
+# of K (kernels/splitk.py adds the splits). Without DOT (fma_path): FMAs in
+# float32. One row is summed along K at each slice; a few (on a narrow weight)
+# take each weight slice once and multiply it into one row's sums after
+# another, each lane keeping its own sums along K ([BLOCK_M, ROWS, BLOCK_K //
+# _LANE_K]) until they are added across lanes once, at the end. With DOT:
+# tl.dot, the rows padded to 16 or 32. Gated, a
+# tile's weight rows interleave gate and up (gate c, up c, gate c + 1, ...),
 # so a program holds both halves of its ROWS // 2 output columns.
+_LANE_K = tl.constexpr(8)  # without DOT, each lane sums its own runs of this much of K until the end
+
+
 @triton.jit
 def _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, mask, K, WRITE_RES,
             HAS_RES: tl.constexpr):
@@ -97,13 +104,15 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
+    lanes = tl.zeros([BLOCK_M, ROWS, BLOCK_K // _LANE_K], dtype=tl.float32)  # a few rows: sums along K by lane
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         in_k = offs_k < k_end
-        x_mask = mask_m[:, None] & in_k[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-        if NORM:
-            x = _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, x_mask, K, pid_n == 0, HAS_RES)
+        if DOT or BLOCK_M == 1:
+            x_mask = mask_m[:, None] & in_k[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+            if NORM:
+                x = _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, x_mask, K, pid_n == 0, HAS_RES)
         w_ptrs = w_ptr + w_row[:, None].to(tl.int64) * K + offs_k[None, :]
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mask_r[:, None], other=0.0)
@@ -111,8 +120,22 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
             w = tl.load(w_ptrs, mask=mask_r[:, None] & in_k[None, :], other=0.0)
         if DOT:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee" if x.dtype == tl.float32 else None)
-        else:  # one row
+        elif BLOCK_M == 1:  # one row: summed along K at each slice
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        else:  # a few rows: each weight multiplied into every row's sums in turn, read once
+            wf = tl.reshape(w.to(tl.float32), [ROWS, BLOCK_K // _LANE_K, _LANE_K])
+            for m in tl.static_range(BLOCK_M):
+                row = m + tl.arange(0, 1)  # [1]
+                x_mask = (row < M)[:, None] & in_k[None, :]
+                x = tl.load(x_ptr + row[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+                if NORM:
+                    rstd_m = tl.zeros([1], dtype=tl.float32) + tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                    x = _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd_m, row, offs_k, x_mask, K, pid_n == 0, HAS_RES)
+                x = tl.reshape(x.to(tl.float32), [1, BLOCK_K // _LANE_K, _LANE_K])
+                part = tl.sum(wf * x, axis=2)  # [ROWS, BLOCK_K // _LANE_K]: each lane's own run of K
+                lanes = tl.where((offs_m == m)[:, None, None], lanes + part[None, :, :], lanes)
+    if not DOT and BLOCK_M > 1:
+        acc = tl.sum(lanes, axis=2)
     width = 2 * N if GATED else N  # of the float32 partials, gated columns interleaved as the rows are
     offs_p = offs_m[:, None] * width + (pid_n * ROWS + r)[None, :]
     mask_p = mask_m[:, None] & mask_r[None, :]
@@ -142,7 +165,16 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
 # 28.9-31.6 all through cuBLAS, and the batch-8 decode step 3.5-4.4% less time. On
 # Qwen3-8B's o and down (4096 rows) it was 0.5-1 us slower than cuBLAS.
 # (ROWS, BLOCK_K, num_warps, num_stages) for more rows (tl.dot); row_config for one.
+# Without tl.dot (fma_path), every weight slice is loaded once and multiplied into one row's
+# per-lane sums after another. On an H100 (Qwen3-0.6B shapes) that beat the tl.dot path and
+# cuBLAS on a narrow weight: o at 2, 4 and 8 rows 3.2, 3.5 and 4.6 us against 5.9 for both, down
+# at 2 and 4 rows 4.9 and 5.0 against 6.8-7.1; down at 8 rows (whose per-lane sums then fill
+# 64 registers a thread) took 7.5 against 6.8. On wider weights (8 rows a program, norm and SiLU
+# folded in where the model folds them) it took 1.15-4.8x as long as cuBLAS with the norm and
+# SiLU as kernels of their own, from 2 rows up.
 FEW_ROWS, PLAIN_ROWS, PLAIN_N, _MAX_ROWS = 1, 8, 2048, 32
+FMA_ROWS = 8  # the most rows fma_path sends past tl.dot
+_FMA_ELEMENTS = 16384  # the most padded rows x BLOCK_K it sends there (per-lane sums: 32 registers a thread)
 DOT_CONFIG = (32, 256, 4, 3)
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
 _NORM_ELEMENTS = 4096  # per program and pass of the norm's first pass (registers: 32 a thread at 4 warps)
@@ -160,6 +192,13 @@ def row_config(n_rows: int, k: int) -> tuple[int, int, int, int]:
     if n_rows <= 2048:
         return 2, whole_k, 4, 1
     return (8, whole_k, 8, 1) if k <= 1024 else (8, 512, 4, 1)
+
+
+def fma_path(m: int, n_rows: int, k: int) -> bool:
+    """Whether m rows on a weight of n_rows x k run without tl.dot: always at one row; up to FMA_ROWS rows on a
+    narrow weight (2 rows a program, row_config) while the rows' per-lane sums stay small."""
+    block_rows, block_k = row_config(n_rows, k)[:2]
+    return m == 1 or (m <= FMA_ROWS and block_rows == 2 and triton.next_power_of_2(m) * block_k <= _FMA_ELEMENTS)
 
 
 def max_rows(n_rows: int, plain: bool) -> int:
@@ -191,9 +230,10 @@ def dense_linear(
     assert weight.shape[1] == k and weight.is_contiguous() and x.stride(1) == 1 and weight.dtype == x.dtype
     assert not gated or rows % 2 == 0
     n = rows // 2 if gated else rows
-    block_rows, block_k, warps, stages = config or (DOT_CONFIG if m > 1 else row_config(rows, k))
+    fma = fma_path(m, rows, k)
+    block_rows, block_k, warps, stages = config or (row_config(rows, k) if fma else DOT_CONFIG)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    block_m = max(16, triton.next_power_of_2(m)) if m > 1 else 1
+    block_m = triton.next_power_of_2(m) if fma else max(16, triton.next_power_of_2(m))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_residual = None
     if norm is not None:
@@ -212,7 +252,7 @@ def dense_linear(
         weight, bias if bias is not None else x, out, part, counts,
         m, n, k, k_per_split, x.stride(0),
         NORM=norm is not None, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
-        DOT=m > 1, SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=block_m, ROWS=block_rows, BLOCK_K=block_k,
+        DOT=not fma, SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=block_m, ROWS=block_rows, BLOCK_K=block_k,
         NORM_BLOCK=min(triton.next_power_of_2(k), max(16, _NORM_ELEMENTS // block_m)),
         num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return out, new_residual

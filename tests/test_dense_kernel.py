@@ -50,7 +50,7 @@ def _run(m, n_rows, k, dtype, norm, residual, gated, bias, config, seed=0):
         torch.testing.assert_close(dev(res_arg).cpu(), res)  # the caller's residual is left as it was
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
 @pytest.mark.parametrize("norm,residual,gated", [(False, False, False), (True, False, False), (True, True, False),
                                                  (True, True, True), (False, False, True)])
 @pytest.mark.parametrize("dtype", HALF)
