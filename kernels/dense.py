@@ -167,9 +167,9 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
 # (ROWS, BLOCK_K, num_warps, num_stages) for more rows (tl.dot); row_config for one.
 # Without tl.dot (fma_path), every weight slice is loaded once and multiplied into one row's
 # per-lane sums after another. On an H100 (Qwen3-0.6B shapes) that beat the tl.dot path and
-# cuBLAS on a narrow weight: o at 2, 4 and 8 rows 3.2, 3.5 and 4.6 us against 5.9 for both, down
-# at 2 and 4 rows 4.9 and 5.0 against 6.8-7.1; down at 8 rows (whose per-lane sums then fill
-# 64 registers a thread) took 7.5 against 6.8. On wider weights (8 rows a program, norm and SiLU
+# cuBLAS on a narrow weight: o at 2, 4 and 8 rows 3.2, 3.6 and 4.9 us against 5.9-6.2, down
+# at 2 and 4 rows 5.0 and 5.1 against 6.8-7.4 (benchmarks/RESULTS.md); down at 8 rows (whose
+# per-lane sums then fill 64 registers a thread) took 7.5 against 6.8. On wider weights (8 rows a program, norm and SiLU
 # folded in where the model folds them) it took 1.15-4.8x as long as cuBLAS with the norm and
 # SiLU as kernels of their own, from 2 rows up.
 FEW_ROWS, PLAIN_ROWS, PLAIN_N, _MAX_ROWS = 1, 8, 2048, 32
