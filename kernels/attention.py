@@ -123,7 +123,7 @@ import triton.language as tl  # noqa: E402
 
 from headrace.kernels.device import num_sms, pdl_args, wait_for_previous  # noqa: E402
 from headrace.kernels.norm import cast_rtne  # noqa: E402
-from headrace.kernels.rotary import rotate_heads  # noqa: E402
+from headrace.kernels.rotary import rotary_table, rotate_heads  # noqa: E402
 
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # a constexpr global: readable inside kernels
@@ -184,14 +184,14 @@ def store_token_kv(
     k_src, v_src,  # [H, 1] pointers to the token's k and v heads in the q|k|v row (model dtype)
     dst,  # [H, 1] pointers to the token's key slot at those heads in the cache; its values are stride_c_kv on
     stride_c_kv, mask, offs_d, head_dim,  # mask [H, BLOCK_D]; lanes offs_d [BLOCK_D]
-    pos, cos_sin_ptr, cos_sin_stride, k_weight_ptr, eps, NORM: tl.constexpr,
+    cos, sin, k_weight_ptr, eps, NORM: tl.constexpr,  # cos, sin: kernels/rotary.py's rotary_table at the token
 ):
     """Rotate a token's k heads (normed first with NORM, kernels/rotary.py's
     rotate_heads), round them to the model dtype and then to the cache's, and
     store them and the v heads at the token's slot, as write_kv_ref does."""
     dtype = k_src.dtype.element_ty
     cache_dtype = dst.dtype.element_ty
-    k = rotate_heads(k_src, mask, offs_d, head_dim, pos, cos_sin_ptr, cos_sin_stride, k_weight_ptr, eps, NORM)
+    k = rotate_heads(k_src, mask, offs_d, head_dim, cos, sin, k_weight_ptr, eps, NORM)
     tl.store(dst + offs_d[None, :], cast_rtne(cast_rtne(k, dtype).to(tl.float32), cache_dtype), mask=mask)
     v = tl.load(v_src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(dst + stride_c_kv + offs_d[None, :], cast_rtne(v, cache_dtype), mask=mask)
@@ -299,38 +299,46 @@ def _paged_decode_kernel(
     the q heads are normed (NORM) and rotated as they are loaded, and the
     program whose split holds the token's own key rotates its k head and
     stores it and v into the cache, then attends. A barrier orders that store
-    before the program's own loads; no other program reads that key."""
-    wait_for_previous(PDL)
+    before the program's own loads; no other program reads that key.
+
+    What the step's input preparation wrote (query_start_loc, seq_lens, positions,
+    the slot mapping), at least two kernels back, is read before wait_for_previous,
+    while the kernel before ends: the row's bounds, its slot and its rotary table.
+    (Reading the first tile's block ids there too changed how Triton 3.6 compiles
+    the key loop: 96 or 152 registers against 126, and slower steps from batch 8.)"""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
-        return  # an empty row, or a prefill row: the general kernel's
+    single = tl.load(query_start_loc_ptr + req + 1) - q_start == 1
     seq_len = tl.load(seq_lens_ptr + req)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     key_lo = split * tiles_per_split * BLOCK_N
     key_hi = tl.minimum(key_lo + tiles_per_split * BLOCK_N, seq_len)  # may be empty: m, l, acc stay put
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    if ROPE:
+        cos, sin = rotary_table(tl.load(positions_ptr + q_start).to(tl.int64), cos_sin_ptr, cos_sin_stride, offs_d,
+                                head_dim)
+        slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
+    wait_for_previous(PDL)
+    if not single:
+        return  # an empty row, or a prefill row: the general kernel's
 
     g = tl.arange(0, GROUP_M)
     head = kv_head * GROUP + g
     row_valid = g < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
     io_mask = row_valid[:, None] & d_mask[None, :]
     q_row = q_ptr + q_start.to(tl.int64) * stride_qt
     k_base = cache_ptr + kv_head.to(tl.int64) * stride_c_h
     if ROPE:
-        pos = tl.load(positions_ptr + q_start).to(tl.int64)
-        q = cast_rtne(rotate_heads(q_row + head[:, None] * stride_qh, io_mask, offs_d, head_dim, pos, cos_sin_ptr,
-                                   cos_sin_stride, q_weight_ptr, eps, NORM), q_ptr.dtype.element_ty)
-        slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
+        q = cast_rtne(rotate_heads(q_row + head[:, None] * stride_qh, io_mask, offs_d, head_dim, cos, sin,
+                                   q_weight_ptr, eps, NORM), q_ptr.dtype.element_ty)
         if (key_lo < seq_len) & (seq_len <= key_hi) & (slot >= 0):  # this split holds the token's key
             k_src = q_row + (num_heads + kv_head) * head_dim + tl.zeros([1, 1], dtype=tl.int32)
             dst = k_base + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
             store_token_kv(k_src, k_src + num_kv_heads * head_dim, dst + tl.zeros([1, 1], dtype=tl.int64),
-                           stride_c_kv, d_mask[None, :], offs_d, head_dim, pos, cos_sin_ptr, cos_sin_stride,
-                           k_weight_ptr, eps, NORM)
+                           stride_c_kv, d_mask[None, :], offs_d, head_dim, cos, sin, k_weight_ptr, eps, NORM)
         tl.debug_barrier()
     else:
         q = tl.load(q_row + head[:, None] * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)  # [GROUP_M, BLOCK_D]
@@ -368,11 +376,12 @@ def _paged_decode_reduce_kernel(
     """One program per (request, query head): rescale each split's partial
     sums to the common max and normalise. Split 0 always holds key 0, so the
     common max is a real score and empty splits weigh exp2(_NEG - max) = 0."""
-    wait_for_previous(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+    q_start = tl.load(query_start_loc_ptr + req)  # written by the step's input preparation: before the wait
+    single = tl.load(query_start_loc_ptr + req + 1) - q_start == 1
+    wait_for_previous(PDL)
+    if not single:
         return
     s = tl.arange(0, SPLITS_PAD)
     s_mask = s < num_splits

@@ -20,7 +20,7 @@ import triton.language as tl
 from headrace.kernels.attention import launch_decode, paged_attention_ref, store_token_kv, write_kv_ref
 from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.norm import cast_rtne, rms_norm_ref
-from headrace.kernels.rotary import rotary_ref, rotate_heads
+from headrace.kernels.rotary import rotary_ref, rotary_table, rotate_heads
 
 
 def rope_and_cache_ref(
@@ -64,28 +64,27 @@ def _rope_and_cache_kernel(
     NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
+    # the step's inputs, written before its first kernel: read while the kernel before ends
+    cos, sin = rotary_table(tl.load(positions_ptr + token).to(tl.int64), cos_sin_ptr, cos_sin_stride, offs_d, head_dim)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    wait_for_previous(PDL)
     d_mask = (offs_d < head_dim)[None, :]
     row = qkv_ptr + token * stride_t
     for h0 in range(0, num_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)[:, None]
         mask = (h < num_heads) & d_mask
-        q = rotate_heads(row + h * head_dim, mask, offs_d, head_dim, pos, cos_sin_ptr, cos_sin_stride, q_weight_ptr,
-                         eps, NORM)
+        q = rotate_heads(row + h * head_dim, mask, offs_d, head_dim, cos, sin, q_weight_ptr, eps, NORM)
         tl.store(q_ptr + (token * num_heads + h) * head_dim + offs_d[None, :], cast_rtne(q, q_ptr.dtype.element_ty),
                  mask=mask)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         cache_row = cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
         for g0 in range(0, num_kv_heads, BLOCK_H):
             kh = g0 + tl.arange(0, BLOCK_H)[:, None]
             k_src = row + (num_heads + kh) * head_dim
             store_token_kv(k_src, k_src + num_kv_heads * head_dim, cache_row + kh * stride_c_h, stride_c_kv,
-                           (kh < num_kv_heads) & d_mask, offs_d, head_dim, pos, cos_sin_ptr, cos_sin_stride,
-                           k_weight_ptr, eps, NORM)
+                           (kh < num_kv_heads) & d_mask, offs_d, head_dim, cos, sin, k_weight_ptr, eps, NORM)
 
 
 _TILE = 2048  # elements of one tile of whole heads (heads x head_dim)

@@ -40,18 +40,28 @@ def rotary_ref(
 
 
 @triton.jit
-def rotate_heads(src, mask, offs_d, head_dim, pos, cos_sin_ptr, cos_sin_stride, w_ptr, eps, NORM: tl.constexpr):
+def rotary_table(pos, cos_sin_ptr, cos_sin_stride, offs_d, head_dim):
+    """The cos and sin [1, BLOCK_D] that rotate_heads multiplies lanes offs_d by at position pos
+    (each lane's own frequency: lane i and its partner i +- head_dim / 2 share one)."""
+    half = head_dim // 2
+    d_mask = offs_d < head_dim
+    table = cos_sin_ptr + pos * cos_sin_stride + tl.where(offs_d < half, offs_d, offs_d - half)
+    cos = tl.load(table, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(table + half, mask=d_mask, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def rotate_heads(src, mask, offs_d, head_dim, cos, sin, w_ptr, eps, NORM: tl.constexpr):
     """src [H, 1]: pointers to heads in the model dtype, mask [H, BLOCK_D] (lanes
-    offs_d [BLOCK_D]); pos: the token's position -> the heads rotated, in float32.
-    With NORM each head is first RMS-normalised with weight w_ptr [head_dim] and
-    rounded as kernels/norm.py rounds, as the model's per-head q/k norm does."""
+    offs_d [BLOCK_D]); cos, sin: rotary_table's at the token's position -> the
+    heads rotated, in float32. With NORM each head is first RMS-normalised with
+    weight w_ptr [head_dim] and rounded as kernels/norm.py rounds, as the model's
+    per-head q/k norm does."""
     half = head_dim // 2
     low = offs_d < half
     partner = tl.where(low, offs_d + half, offs_d - half)  # [BLOCK_D]
     d_mask = offs_d < head_dim
-    table = cos_sin_ptr + pos * cos_sin_stride + tl.where(low, offs_d, offs_d - half)
-    cos = tl.load(table, mask=d_mask, other=0.0)[None, :]
-    sin = tl.load(table + half, mask=d_mask, other=0.0)[None, :]
     x = tl.load(src + offs_d[None, :], mask=mask, other=0.0)  # [H, BLOCK_D]
     xp = tl.load(src + partner[None, :], mask=mask, other=0.0)
     dtype = x.dtype
