@@ -39,8 +39,11 @@ def wait_for_previous(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL: pdl() held at launch), wait until the
     kernel before has finished and its writes are visible, then let the next kernel
     start its launch. A kernel calls this before it writes any memory, and before it
-    reads any that a kernel may write: what none writes (weights) it may read first,
-    overlapping the previous kernel's tail."""
+    reads any that the kernel before may write. What no kernel writes (weights), and
+    what a kernel at least two back wrote (the step's inputs, which input preparation
+    writes), it may read first, overlapping the previous kernel's tail: the kernel
+    before started only once the one before it had ended (its programs let the next
+    launch after their own wait)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
