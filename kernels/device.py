@@ -41,9 +41,9 @@ def wait_for_previous(PDL: tl.constexpr):
     start its launch. A kernel calls this before it writes any memory, and before it
     reads any that the kernel before may write. What no kernel writes (weights), and
     what a kernel at least two back wrote (the step's inputs, which input preparation
-    writes), it may read first, overlapping the previous kernel's tail: the kernel
-    before started only once the one before it had ended (its programs let the next
-    launch after their own wait)."""
+    writes), it may read first, overlapping the previous kernel's tail: a kernel
+    starts only once the one two back has ended (the kernel before lets it launch
+    after its own wait, or started after that one ended)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
