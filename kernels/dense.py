@@ -69,6 +69,18 @@ def _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, mask, K, WRIT
     return cast_rtne(nw[None, :] * cast_rtne(x.to(tl.float32) * rstd[:, None], dtype).to(tl.float32), dtype)
 
 
+@triton.jit
+def _x_slice(x_ptr, stride_xm, rows, rstd, offs_k, in_k, M, K, res_ptr, new_res_ptr, nw_ptr, WRITE_RES,
+             NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """x's rows [R] over the slice offs_k [BLOCK_K] (in_k: inside the split), normed with their rstd [R]
+    under NORM -> [R, BLOCK_K] in x's dtype."""
+    mask = (rows < M)[:, None] & in_k[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    if NORM:
+        x = _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, rows, offs_k, mask, K, WRITE_RES, HAS_RES)
+    return x
+
+
 @triton.jit(do_not_specialize=["M"])
 def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                   M, N, K, k_per_split, stride_xm,
@@ -109,10 +121,8 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
         offs_k = k0 + tl.arange(0, BLOCK_K)
         in_k = offs_k < k_end
         if DOT or BLOCK_M == 1:
-            x_mask = mask_m[:, None] & in_k[None, :]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-            if NORM:
-                x = _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd, offs_m, offs_k, x_mask, K, pid_n == 0, HAS_RES)
+            x = _x_slice(x_ptr, stride_xm, offs_m, rstd, offs_k, in_k, M, K, res_ptr, new_res_ptr, nw_ptr, pid_n == 0,
+                         NORM, HAS_RES)
         w_ptrs = w_ptr + w_row[:, None].to(tl.int64) * K + offs_k[None, :]
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mask_r[:, None], other=0.0)
@@ -126,11 +136,11 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
             wf = tl.reshape(w.to(tl.float32), [ROWS, BLOCK_K // _LANE_K, _LANE_K])
             for m in tl.static_range(BLOCK_M):
                 row = m + tl.arange(0, 1)  # [1]
-                x_mask = (row < M)[:, None] & in_k[None, :]
-                x = tl.load(x_ptr + row[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+                rstd_m = tl.zeros([1], dtype=tl.float32)
                 if NORM:
-                    rstd_m = tl.zeros([1], dtype=tl.float32) + tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-                    x = _normed(x, res_ptr, new_res_ptr, nw_ptr, rstd_m, row, offs_k, x_mask, K, pid_n == 0, HAS_RES)
+                    rstd_m += tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
+                x = _x_slice(x_ptr, stride_xm, row, rstd_m, offs_k, in_k, M, K, res_ptr, new_res_ptr, nw_ptr,
+                             pid_n == 0, NORM, HAS_RES)
                 x = tl.reshape(x.to(tl.float32), [1, BLOCK_K // _LANE_K, _LANE_K])
                 part = tl.sum(wf * x, axis=2)  # [ROWS, BLOCK_K // _LANE_K]: each lane's own run of K
                 lanes = tl.where((offs_m == m)[:, None, None], lanes + part[None, :, :], lanes)
