@@ -1,6 +1,7 @@
 """The decode attention kernel (kernels/attention.py) by K split count, against the bytes it reads.
 
     python3 benchmarks/decode_attention.py [--batches 1,4,16,64] [--contexts 256,1024,4096] [--splits 1,2,...]
+        [--ids-ahead auto|on|off]
 
 Qwen3's attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 cache,
 16-token blocks). Each request has `context` tokens in the cache; the kernel is
@@ -8,7 +9,8 @@ given max_seq_len = context + 128 (a CUDA graph is captured with a bound above
 the live contexts). Microseconds per call, timed as CUDA-graph replays cycling
 through enough caches that none stays in L2; the floor is the K and V bytes at
 the copy bandwidth measured in the same run. "auto" is the split count
-paged_attention picks by itself.
+paged_attention picks by itself. --ids-ahead forces one way of reading block
+ids (kernels/attention.py's _attend_keys); auto leaves the choice to the kernel.
 """
 from __future__ import annotations
 
@@ -42,10 +44,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--contexts", default="256,1024,4096")
     parser.add_argument("--splits", default="1,2,4,8,16,24,32")
+    parser.add_argument("--ids-ahead", choices=("auto", "on", "off"), default="auto")
     args = parser.parse_args()
+    ahead = {"auto": None, "on": True, "off": False}[args.ids_ahead]
     bw, _ = measure_ceilings(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s")
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, block ids ahead: {args.ids_ahead}")
     splits = list(map(int, args.splits.split(",")))
     print(f"{'batch':>5} {'context':>7} {'floor us':>8} {'auto':>9} " + " ".join(f"{s:>7}" for s in splits))
     for batch in map(int, args.batches.split(",")):
@@ -55,7 +59,8 @@ def main() -> None:
             bound = context + 128
 
             def us(n):
-                return graph_call_us([lambda s=s: paged_attention(*s, 0.088, 1, bound, num_splits=n) for s in sets])
+                return graph_call_us([lambda s=s: paged_attention(*s, 0.088, 1, bound, num_splits=n, ids_ahead=ahead)
+                                     for s in sets])
 
             auto = _decode_num_splits(torch.device("cuda"), batch, KV_HEADS, bound)
             floor = kv_bytes / bw * 1e6

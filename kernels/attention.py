@@ -133,6 +133,9 @@ _NEG = tl.constexpr(-1.0e30)  # a constexpr global: readable inside kernels
 _MAX_SPLITS = 32
 _MIN_KEYS_PER_SPLIT = 64
 _PROGRAMS_PER_SM = 3
+# Up to this many (request, KV head) pairs the decode kernel reads block ids a tile ahead (_attend_keys's
+# IDS_AHEAD): at 8 KV heads that is one or two requests, whose programs run one or two tiles each.
+_IDS_AHEAD_PAIRS = 16
 
 
 @triton.jit
@@ -146,36 +149,71 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def _tile_slots(block_table_ptr, start, key_hi, stride_c_blk, stride_c_slot, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """[BLOCK_N] int64: where keys start .. start + BLOCK_N - 1 sit in the cache (block 0's slots for
+    those at or past key_hi, whose block ids are not read)."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    blk = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_pos < key_hi, other=0).to(tl.int64)
+    return blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, q_pos,  # as _attend_keys's
+    start, key_hi,  # keys start .. start + BLOCK_N - 1, those at or past key_hi masked
+    slot_off,  # [BLOCK_N] int64: _tile_slots of this tile
+    k_base, v_base, offs_d, d_mask, qk_scale,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """One tile of keys added to the running statistics."""
+    k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    k_valid = k_pos < key_hi
+    kv_mask = k_valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
+    k = tl.load(k_base + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [M, BLOCK_N]
+    causal = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+    qk = tl.where(causal, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    p = tl.exp2(qk - m_new[:, None])  # [M, BLOCK_N]
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_keys(
     acc, m_i, l_i,  # [M, BLOCK_D] fp32, [M] fp32, [M] fp32: running statistics
     q,  # [M, BLOCK_D] in the cache's compute dtype
     q_pos,  # [M] int32: each row's query position; keys after it are masked
     key_lo, key_hi,  # keys [key_lo, key_hi) of the request are visited
     block_table_ptr,  # this request's row of the block table
+    first_off,  # with IDS_AHEAD: [BLOCK_N] int64, _tile_slots of the first tile (key_lo), read by the caller
     k_base, v_base,  # cache pointers at this KV head (block 0, slot 0, dim 0)
     stride_c_blk, stride_c_slot,
     offs_d, d_mask,  # [BLOCK_D]
     qk_scale,  # scale * log2(e)
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
 ):
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(key_lo, key_hi, BLOCK_N):
-        k_pos = start + offs_n  # [BLOCK_N]
-        k_valid = k_pos < key_hi
-        blk = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-        slot_off = blk * stride_c_blk + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot  # [BLOCK_N]
-        kv_mask = k_valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
-        k = tl.load(k_base + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [M, BLOCK_N]
-        causal = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        p = tl.exp2(qk - m_new[:, None])  # [M, BLOCK_N]
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        m_i = m_new
+    """Each tile reads its block ids, then its keys; with IDS_AHEAD each tile reads the next tile's ids
+    before its own keys, so no key load waits on an id load (faster at one or two tiles a program, slower
+    over many: benchmarks/RESULTS.md)."""
+    if IDS_AHEAD:
+        slot_off = first_off
+        for start in range(key_lo, key_hi, BLOCK_N):
+            next_off = _tile_slots(block_table_ptr, start + BLOCK_N, key_hi, stride_c_blk, stride_c_slot,
+                                   BLOCK_SIZE, BLOCK_N)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start, key_hi, slot_off, k_base, v_base, offs_d,
+                                         d_mask, qk_scale, BLOCK_N, DOT_PRECISION, UPCAST_DOT)
+            slot_off = next_off
+    else:
+        for start in range(key_lo, key_hi, BLOCK_N):
+            slot_off = _tile_slots(block_table_ptr, start, key_hi, stride_c_blk, stride_c_slot, BLOCK_SIZE, BLOCK_N)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start, key_hi, slot_off, k_base, v_base, offs_d,
+                                         d_mask, qk_scale, BLOCK_N, DOT_PRECISION, UPCAST_DOT)
     return acc, m_i, l_i
 
 
@@ -264,9 +302,9 @@ def _paged_attention_kernel(
     key_hi = context + tl.minimum(num_q, (q_block + 1) * BLOCK_Q)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q.to(cache_ptr.dtype.element_ty), context + tok, 0, key_hi,
-        block_tables_ptr + req.to(tl.int64) * stride_bt, k_base, k_base + stride_c_kv,
+        block_tables_ptr + req.to(tl.int64) * stride_bt, 0, k_base, k_base + stride_c_kv,
         stride_c_blk, stride_c_slot, offs_d, d_mask, qk_scale,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT, False,
     )
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     o_off = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -286,7 +324,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, NORM: tl.constexpr, IDS_AHEAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (request, KV head, split) for single-query rows: the
     group's query heads are the tile's rows (padded to GROUP_M >= 16 for
@@ -303,9 +341,8 @@ def _paged_decode_kernel(
 
     What the step's input preparation wrote (query_start_loc, seq_lens, positions,
     the slot mapping), at least two kernels back, is read before wait_for_previous,
-    while the kernel before ends: the row's bounds, its slot and its rotary table.
-    (Reading the first tile's block ids there too changed how Triton 3.6 compiles
-    the key loop: 96 or 152 registers against 126, and slower steps from batch 8.)"""
+    while the kernel before ends: the row's bounds, its slot and its rotary table,
+    and with IDS_AHEAD (few programs) its first tile's block ids (_attend_keys)."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -315,6 +352,11 @@ def _paged_decode_kernel(
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     key_lo = split * tiles_per_split * BLOCK_N
     key_hi = tl.minimum(key_lo + tiles_per_split * BLOCK_N, seq_len)  # may be empty: m, l, acc stay put
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    if IDS_AHEAD:
+        first_off = _tile_slots(bt_row, key_lo, key_hi, stride_c_blk, stride_c_slot, BLOCK_SIZE, BLOCK_N)
+    else:
+        first_off = 0  # each tile reads its own
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     if ROPE:
@@ -348,10 +390,9 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_M], dtype=tl.float32)
     q_pos = tl.zeros([GROUP_M], dtype=tl.int32) + (seq_len - 1)
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q.to(cache_ptr.dtype.element_ty), q_pos, key_lo, key_hi,
-        block_tables_ptr + req.to(tl.int64) * stride_bt, k_base, k_base + stride_c_kv,
-        stride_c_blk, stride_c_slot, offs_d, d_mask, qk_scale,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+        acc, m_i, l_i, q.to(cache_ptr.dtype.element_ty), q_pos, key_lo, key_hi, bt_row, first_off,
+        k_base, k_base + stride_c_kv, stride_c_blk, stride_c_slot, offs_d, d_mask, qk_scale,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT, IDS_AHEAD,
     )
     if SPLIT:
         part = (req.to(tl.int64) * num_heads + head) * num_splits + split  # [GROUP_M]
@@ -415,6 +456,7 @@ def paged_attention(
     max_seq_len: int,  # upper bound on seq_lens, for the decode kernel's split count
     num_splits: int | None = None,  # decode split-K partitions; None picks from the shapes
     use_decode_kernel: bool = True,  # False: every row through the general kernel (tests, benchmarks)
+    ids_ahead: bool | None = None,  # the decode kernel's block-id reads (_attend_keys); None picks from the shapes
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
     """Triton version of paged_attention_ref, with no host sync: the bounds
     are host ints. Single-query rows go to the split-K decode kernel, the
@@ -450,7 +492,7 @@ def paged_attention(
         )
     if use_decode_kernel:
         launch_decode(q, q.stride(1), out, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len,
-                      num_splits)
+                      num_splits, ids_ahead=ids_ahead)
     return out
 
 
@@ -484,6 +526,7 @@ def launch_decode(
     max_seq_len: int,
     num_splits: int | None = None,
     rope: tuple | None = None,  # (positions, cos_sin, q_weight, k_weight, eps, slot_mapping): kernels/qkv.py's
+    ids_ahead: bool | None = None,  # as paged_attention's
 ) -> None:
     """The decode kernel (and its reduce, with split-K) over the single-query
     rows. With rope, q is the q|k|v projection and the kernel also does
@@ -521,7 +564,9 @@ def launch_decode(
         positions, cos_sin, cos_sin_stride, q_weight if q_weight is not None else q,
         k_weight if k_weight is not None else q, eps, slot_mapping, num_kv_heads,
         GROUP_M=max(16, triton.next_power_of_2(common["GROUP"])), SPLIT=split, ROPE=rope is not None,
-        NORM=rope is not None and q_weight is not None, num_warps=4, **common,
+        NORM=rope is not None and q_weight is not None,
+        IDS_AHEAD=num_reqs * num_kv_heads <= _IDS_AHEAD_PAIRS if ids_ahead is None else ids_ahead,
+        num_warps=4, **common,
     )
     if split:
         _paged_decode_reduce_kernel[(num_reqs, num_heads)](

@@ -127,8 +127,11 @@ def test_paged_attention_decode(poisoned, block_size, heads, head_dim, dtype):
     ref = paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, scale)
     # The decode kernel alone (max_query_len 1): the picked split count (one
     # 64-key tile a split here), 1 and 3 splits, 32 (the most, leaving some
-    # empty: at most 5 key tiles); then the general kernel on the same rows.
-    for kw in [{}, dict(num_splits=1), dict(num_splits=3), dict(num_splits=32), dict(use_decode_kernel=False)]:
+    # empty: at most 5 key tiles), each way of reading block ids; then the
+    # general kernel on the same rows.
+    for kw in [{}, dict(num_splits=1), dict(num_splits=3), dict(num_splits=32), dict(ids_ahead=True),
+               dict(ids_ahead=False), dict(num_splits=1, ids_ahead=True), dict(num_splits=32, ids_ahead=True),
+               dict(use_decode_kernel=False)]:
         out = _run(q, kv_cache, qsl, seq_lens, block_tables, scale, 1, max(seq_lens), **kw)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype), msg=lambda m: f"{kw}: {m}")
 
@@ -204,16 +207,16 @@ def test_decode_attention_from_qkv(poisoned, block_size, heads, head_dim, dtype,
     def dev(x):
         return torch.tensor(x, dtype=torch.int32, device=DEVICE)
 
-    for num_splits in [1, 3, 7]:
+    for num_splits, ahead in [(1, False), (3, True), (7, False), (1, True)]:  # block ids read each way
         got_cache = kv_cache.to(DEVICE)
         out = decode_attention(qkv.to(DEVICE), positions.to(DEVICE), cos_sin.to(DEVICE),
                                *[None if w is None else w.to(DEVICE) for w in weights], 1e-6, got_cache,
                                slots.to(DEVICE), num_heads, dev(qsl), dev(seq_lens), block_tables.to(DEVICE), scale,
-                               max(seq_lens), num_splits)
+                               max(seq_lens), num_splits, ahead)
         assert out.shape == (tokens, num_heads, head_dim) and out.dtype == dtype
-        msg = lambda m: f"num_splits={num_splits}: {m}"  # noqa: E731
+        msg = lambda m: f"num_splits={num_splits}, ids_ahead={ahead}: {m}"  # noqa: E731
         torch.testing.assert_close(out[: qsl[-1]].cpu().float(), want.float(), **_tol(dtype), msg=msg)
         got_flat = got_cache.cpu().view(2, -1, num_kv_heads, head_dim)
         torch.testing.assert_close(got_flat[:, written].float(), want_cache.view(2, -1, num_kv_heads, head_dim)[
             :, written].float(), **_tol(dtype), msg=msg)
-        assert torch.equal(got_flat[:, ~written], flat[:, ~written]), f"num_splits={num_splits}: other slots changed"
+        assert torch.equal(got_flat[:, ~written], flat[:, ~written]), f"{num_splits}, {ahead}: other slots changed"
