@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from headrace.executor.attention import AttentionMetadata
-from headrace.executor.staged import upload
+from headrace.executor.staged import upload, upload_into
 from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
 
@@ -83,9 +83,7 @@ def prepare_inputs(
         starts = (0, n, 2 * n + 1, 3 * n + 1)
         out = None
     else:
-        packed = bufs.packed
-        packed.copy_(upload(bufs.pack(idx_mapping_np, query_start_loc_np, seq_lens_np, sample_rows_np), device),
-                     non_blocking=True)
+        packed = upload_into(bufs.packed, bufs.pack(idx_mapping_np, query_start_loc_np, seq_lens_np, sample_rows_np))
         S = bufs.rows
         starts = (0, S, 2 * S + 1, 3 * S + 1)
         out = (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.block_tables)
