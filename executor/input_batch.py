@@ -65,7 +65,8 @@ def prepare_inputs(
     sequence lengths, sampling rows); positions, input ids, the
     block tables and the slot mapping are derived there from slot state
     (kernels/input_prep.py). With bufs, all of it lands in those buffers
-    (the batch's tensors are their leading rows); without, in new tensors."""
+    (the batch's tensors are their leading rows) if the batch fits them;
+    otherwise in new tensors."""
     req_ids = list(num_scheduled_tokens)
     n = len(req_ids)
     idx_mapping_np = np.fromiter((states.req_to_slot[r] for r in req_ids), dtype=np.int64, count=n)
@@ -77,6 +78,8 @@ def prepare_inputs(
     sample_rows_np = np.flatnonzero(seq_lens_np == states.num_tokens[idx_mapping_np])
     num_tokens = int(query_start_loc_np[-1])
 
+    if bufs is not None and (n > bufs.rows or num_tokens > bufs.tokens):
+        bufs = None  # larger than any graph: new tensors, and the step runs eagerly
     if bufs is None:
         packed = upload(np.concatenate([idx_mapping_np, query_start_loc_np, seq_lens_np, sample_rows_np])
                         .astype(np.int32), device)

@@ -119,3 +119,7 @@ def test_step_inputs_in_buffers_match_new_tensors():
     assert batch.attn.seq_lens.data_ptr() == bufs.seq_lens.data_ptr()
     assert bufs.query_start_loc[4:].tolist() == [11] * (S - 3) and bufs.seq_lens[3:].tolist() == [1] * (S - 3)
     assert plain.sample_rows.tolist() == [0, 1, 2]
+    small = InputBuffers(S, 8, 16, cpu)  # fewer tokens than the step's 11: new tensors
+    batch = prepare_step(states, scheduled, block_size, cpu, small)
+    assert batch.input_ids.data_ptr() != small.input_ids.data_ptr()
+    assert torch.equal(batch.input_ids, plain.input_ids) and torch.equal(batch.attn.seq_lens, plain.attn.seq_lens)
