@@ -1,7 +1,9 @@
 """CUDA graphs for every step: the model's forward captured once per padded
-shape, replayed from static input buffers, so that a step costs the host a
-few copies instead of a few hundred kernel launches.
+shape, replayed from static input buffers, so that a step costs the host one
+launch instead of a few hundred.
 
+The graphs read the step's inputs where input preparation writes them
+(executor/input_batch.py's InputBuffers), so a replay copies nothing in.
 Decode steps (one query a row) of n rows run the decode graph of the
 smallest captured size b >= n; rows n..b-1 are padding (slot -1, so nothing
 is written to the KV cache, and a one-token context) whose outputs are
@@ -22,7 +24,7 @@ import weakref
 import torch
 
 from headrace.executor.attention import AttentionMetadata
-from headrace.executor.input_batch import InputBatch
+from headrace.executor.input_batch import InputBatch, InputBuffers
 
 
 # Every StepGraphs alive in this process. Its captured matmuls use the cuBLAS
@@ -57,18 +59,13 @@ def mixed_token_counts(max_num_batched_tokens: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, model, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_req: int,
-                 max_model_len: int, device: torch.device) -> None:
+    def __init__(self, model, bufs: InputBuffers, max_num_batched_tokens: int, max_model_len: int,
+                 device: torch.device) -> None:
         self.model = model
         self.max_model_len = max_model_len
-        S, T = max_num_seqs, max(max_num_batched_tokens, max_num_seqs)
-        self.input_ids = torch.zeros(T, dtype=torch.long, device=device)  # [T]
-        self.positions = torch.zeros(T, dtype=torch.long, device=device)  # [T]
-        self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=device)  # [T] token -> cache slot
-        self.seq_lens = torch.ones(S, dtype=torch.int32, device=device)  # [S]
-        self.block_tables = torch.zeros(S, max_blocks_per_req, dtype=torch.int32, device=device)
+        self.bufs = bufs  # the step's inputs, written there by input preparation: nothing is copied in
+        S = bufs.rows
         self.decode_starts = torch.arange(S + 1, dtype=torch.int32, device=device)  # [S + 1]: one query a row
-        self.query_start_loc = torch.zeros(S + 1, dtype=torch.int32, device=device)  # [S + 1]: mixed steps' rows
         self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # rows -> graph, output
         self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens -> graph, output
         self.max_rows = S
@@ -89,24 +86,25 @@ class StepGraphs:
         self._decode_sizes, self._mixed_sizes = sorted(self.decode), sorted(self.mixed)  # for bisect
 
     def _decode_meta(self, n: int) -> AttentionMetadata:
+        b = self.bufs
         return AttentionMetadata(
-            query_start_loc=self.decode_starts[: n + 1], seq_lens=self.seq_lens[:n],
-            block_tables=self.block_tables[:n], slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.decode_starts[: n + 1], seq_lens=b.seq_lens[:n],
+            block_tables=b.block_tables[:n], slot_mapping=b.slot_mapping[:n],
             query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=self.max_model_len,
         )
 
     def _mixed_meta(self, tokens: int) -> AttentionMetadata:
-        rows = min(self.max_rows, tokens)
+        rows, b = min(self.max_rows, tokens), self.bufs
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[: rows + 1], seq_lens=self.seq_lens[:rows],
-            block_tables=self.block_tables[:rows], slot_mapping=self.slot_mapping[:tokens],
+            query_start_loc=b.query_start_loc[: rows + 1], seq_lens=b.seq_lens[:rows],
+            block_tables=b.block_tables[:rows], slot_mapping=b.slot_mapping[:tokens],
             query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=tokens, max_seq_len=self.max_model_len,
         )
 
     def _capture(self, tokens: int, meta: AttentionMetadata, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Captured with every row empty (or, for decode, writing nothing), so
         # the warm-up runs touch no cache.
-        args = (self.input_ids[:tokens], self.positions[:tokens], meta)
+        args = (self.bufs.input_ids[:tokens], self.bufs.positions[:tokens], meta)
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -124,26 +122,18 @@ class StepGraphs:
         return int(batch.query_start_loc_np[-1]) <= sizes[-1]
 
     def run(self, batch: InputBatch) -> torch.Tensor:  # [num_tokens, hidden]
-        n, meta = len(batch.req_ids), batch.attn
-        t = int(batch.query_start_loc_np[-1])  # a decode step's t is n
+        """Replay the graph for the batch, which input preparation wrote into
+        this graph's buffers (prepare_inputs with bufs); only padding tokens
+        past it get their slot set to -1 here."""
+        meta = batch.attn
+        t = int(batch.query_start_loc_np[-1])  # a decode step's t is its row count
+        if batch.input_ids.data_ptr() != self.bufs.input_ids.data_ptr():
+            raise RuntimeError("the batch was not prepared in the CUDA graphs' input buffers")
         decode = meta.max_query_len == 1
         sizes = self._decode_sizes if decode else self._mixed_sizes
         size = sizes[bisect.bisect_left(sizes, t)]
-        self.input_ids[:t].copy_(batch.input_ids)
-        self.positions[:t].copy_(batch.positions)
-        self.slot_mapping[:t].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n].copy_(meta.block_tables)
-        if size > t:  # padding tokens write nothing
-            self.slot_mapping[t:size].fill_(-1)
-        if decode:
-            if size > n:  # padding rows attend to one (ignored) key
-                self.seq_lens[n:size].fill_(1)
-            graph, out = self.decode[size]
-        else:
-            rows = min(self.max_rows, size)
-            self.query_start_loc[: n + 1].copy_(meta.query_start_loc)
-            self.query_start_loc[n + 1 : rows + 1].fill_(t)  # empty rows
-            graph, out = self.mixed[size]
+        if size > t:  # padding tokens write nothing; padding rows' seq_lens and starts came packed
+            self.bufs.slot_mapping[t:size].fill_(-1)
+        graph, out = (self.decode if decode else self.mixed)[size]
         graph.replay()
         return out[:t]

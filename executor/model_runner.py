@@ -16,7 +16,7 @@ from headrace.config import EngineArgs, SchedulerConfig
 from headrace.executor.attention import AttentionMetadata
 from headrace.executor.beam import BeamState, fork_beams, select_beams
 from headrace.executor.cuda_graphs import StepGraphs, clear_cublas_workspaces
-from headrace.executor.input_batch import prepare_inputs
+from headrace.executor.input_batch import InputBuffers, prepare_inputs
 from headrace.executor.logits_processors import load_logits_processors
 from headrace.executor.models.loader import load_model
 from headrace.executor.models.quant import resolve_quantization
@@ -139,7 +139,7 @@ class ModelRunner:
 
     def _build(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs, tp: TPGroup) -> None:
         self.closed = False
-        self.model = self.graphs = self.kv = None
+        self.model = self.graphs = self.bufs = self.kv = None
         self.kv_caches = []
         self.states = None
         self.processors = []
@@ -178,10 +178,12 @@ class ModelRunner:
         self.beam = BeamState(sched_cfg.max_num_seqs, self.device)
         self.processors = [make(model_cfg.vocab_size, self.device) for make in load_logits_processors(args)]
         self.lap("kv pool and slots")
-        self.graphs = None
+        self.graphs = self.bufs = None
         if self.device.type == "cuda" and not args.enforce_eager:
-            self.graphs = StepGraphs(self.model, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
-                                     max_blocks_per_req, sched_cfg.max_model_len, self.device)
+            S = sched_cfg.max_num_seqs
+            self.bufs = InputBuffers(S, max(sched_cfg.max_num_batched_tokens, S), max_blocks_per_req, self.device)
+            self.graphs = StepGraphs(self.model, self.bufs, sched_cfg.max_num_batched_tokens,
+                                     sched_cfg.max_model_len, self.device)
             self.lap("cuda graphs")
 
     @on_device
@@ -194,7 +196,7 @@ class ModelRunner:
         if self.closed:
             return
         self.closed = True
-        self.model = self.graphs = self.kv = self.beam = None
+        self.model = self.graphs = self.bufs = self.kv = self.beam = None
         self.kv_caches = []
         if self.states is not None:
             self.states.drop_device_tensors()
@@ -317,7 +319,7 @@ class ModelRunner:
             fork_beams(sched.beam_forks, states.req_to_slot, self.beam, states.token_ids.gpu, states.block_table.gpu,
                        self.kv, self.block_size)
 
-        batch = prepare_inputs(states, sched.num_scheduled_tokens, self.block_size, self.device)
+        batch = prepare_inputs(states, sched.num_scheduled_tokens, self.block_size, self.device, self.bufs)
         if self.graphs is not None and self.graphs.fits(batch):
             hidden = self.graphs.run(batch)
         else:

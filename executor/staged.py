@@ -15,6 +15,12 @@ def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def upload_into(dst: torch.Tensor, array: np.ndarray) -> torch.Tensor:
+    """upload() into an existing device tensor of the array's size: one queued copy."""
+    tensor = torch.from_numpy(array)
+    return dst.copy_(tensor if dst.device.type == "cpu" else tensor.pin_memory(), non_blocking=True)
+
+
 class StagedTensor:
     """A device tensor [num_slots, *row] whose writes are staged on the host.
 

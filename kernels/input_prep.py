@@ -23,9 +23,14 @@ def prepare_inputs_ref(
     token_ids: torch.Tensor,  # [num_slots, max_model_len] int32
     block_table: torch.Tensor,  # [num_slots, max_blocks] int32
     block_size: int,
+    out: tuple[torch.Tensor, ...] | None = None,  # buffers to write into, as prepare_inputs's
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids [num_tokens] int64, positions [num_tokens] int64, slot_mapping
     [num_tokens] int64, block_tables [num_reqs, max_blocks] int32)."""
+    if out is not None:
+        want = prepare_inputs_ref(idx_mapping, query_start_loc, num_tokens, num_computed, token_ids, block_table,
+                                  block_size)
+        return tuple(o[: w.shape[0]].copy_(w) for o, w in zip(out, want))
     num_reqs = idx_mapping.shape[0]
     dev = idx_mapping.device
     counts = (query_start_loc[1:] - query_start_loc[:-1]).long()
@@ -82,16 +87,22 @@ def prepare_inputs(
     token_ids: torch.Tensor,  # [num_slots, max_model_len] int32
     block_table: torch.Tensor,  # [num_slots, max_blocks] int32
     block_size: int,
+    out: tuple[torch.Tensor, ...] | None = None,  # (input_ids [>= num_tokens], positions, slot_mapping,
+    # block_tables [>= num_reqs, max_blocks]): buffers whose leading rows are written and returned
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of prepare_inputs_ref: one launch instead of a dozen ops."""
     assert token_ids.stride(1) == 1 and block_table.stride(1) == 1
     assert block_size & (block_size - 1) == 0
     num_reqs = idx_mapping.shape[0]
     dev = idx_mapping.device
-    input_ids = torch.empty(num_tokens, dtype=torch.int64, device=dev)
-    positions = torch.empty(num_tokens, dtype=torch.int64, device=dev)
-    slot_mapping = torch.empty(num_tokens, dtype=torch.int64, device=dev)
-    block_tables = torch.empty(num_reqs, block_table.shape[1], dtype=block_table.dtype, device=dev)
+    if out is not None:
+        input_ids, positions, slot_mapping, block_tables = (out[0][:num_tokens], out[1][:num_tokens],
+                                                            out[2][:num_tokens], out[3][:num_reqs])
+    else:
+        input_ids = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+        positions = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+        slot_mapping = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+        block_tables = torch.empty(num_reqs, block_table.shape[1], dtype=block_table.dtype, device=dev)
     if num_reqs:
         _prepare_inputs_kernel[(num_reqs,)](
             idx_mapping, query_start_loc, num_computed,

@@ -65,3 +65,61 @@ def test_prepare_inputs_matches_reference(block_size, num_reqs):
     for w, o in zip(want, got, strict=True):
         assert o.dtype == w.dtype and o.shape == w.shape
         assert torch.equal(o.cpu(), w)
+
+
+@pytest.mark.parametrize("kernel", [prepare_inputs, prepare_inputs_ref])
+def test_prepare_inputs_into_buffers(kernel):
+    """With out, the kernel (and the reference) write the batch into the leading rows of larger buffers,
+    return those rows, and leave the rest alone (what the CUDA graphs' input buffers rely on)."""
+    num_slots, max_len, block_size = 40, 300, 16
+    g, token_ids, block_table = slot_state(7, num_slots, max_len, block_size)
+    idx_mapping, qsl, num_tokens, num_computed = make_batch(g, num_slots, max_len, 5)
+    want = prepare_inputs_ref(idx_mapping, qsl, num_tokens, num_computed, token_ids, block_table, block_size)
+    rows, tokens = 9, num_tokens + 20
+    out = (torch.full((tokens,), -7, dtype=torch.int64), torch.full((tokens,), -7, dtype=torch.int64),
+           torch.full((tokens,), -7, dtype=torch.int64),
+           torch.full((rows, block_table.shape[1]), -7, dtype=torch.int32))
+    out = tuple(o.to(DEVICE) for o in out)
+    args = [t.to(DEVICE) for t in (idx_mapping, qsl)] + [num_tokens] + \
+        [t.to(DEVICE) for t in (num_computed, token_ids, block_table)] + [block_size]
+    got = kernel(*args, out)
+    for w, o, buf in zip(want, got, out, strict=True):
+        assert o.data_ptr() == buf.data_ptr() and o.shape == w.shape
+        assert torch.equal(o.cpu(), w)
+        assert (buf[w.shape[0]:] == -7).all()
+
+
+def test_step_inputs_in_buffers_match_new_tensors():
+    """executor.input_batch.prepare_inputs with InputBuffers gives the batch it gives without them, as views
+    of the buffers, with the rows past the batch packed as the CUDA graphs' padding wants them: query starts
+    at the token count, one key a row."""
+    from headrace.executor.input_batch import InputBuffers
+    from headrace.executor.input_batch import prepare_inputs as prepare_step
+    from headrace.executor.sampling_state import SamplingState
+    from headrace.executor.states import RequestStates
+    from headrace.sampling_params import SamplingParams
+    from headrace.step import NewRequestData
+
+    cpu = torch.device("cpu")
+    S, block_size = 6, 4
+    states = RequestStates(S, 64, 16, cpu, SamplingState(S, 300, [1], False, cpu))
+    for i, (prompt, computed) in enumerate([(9, 0), (5, 4), (12, 11)]):
+        states.add(NewRequestData(f"r{i}", list(range(2, 2 + prompt)), prompt, list(range(3 * i, 3 * i + 4)),
+                                  computed, SamplingParams(), i))
+    states.apply_staged()
+    scheduled = {"r0": 9, "r1": 1, "r2": 1}
+    plain = prepare_step(states, scheduled, block_size, cpu)
+    bufs = InputBuffers(S, 32, 16, cpu)
+    batch = prepare_step(states, scheduled, block_size, cpu, bufs)
+    for name in ("idx_mapping", "sample_rows", "input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(batch, name), getattr(plain, name)), name
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        assert torch.equal(getattr(batch.attn, name), getattr(plain.attn, name)), name
+    assert batch.input_ids.data_ptr() == bufs.input_ids.data_ptr()
+    assert batch.attn.seq_lens.data_ptr() == bufs.seq_lens.data_ptr()
+    assert bufs.query_start_loc[4:].tolist() == [11] * (S - 3) and bufs.seq_lens[3:].tolist() == [1] * (S - 3)
+    assert plain.sample_rows.tolist() == [0, 1, 2]
+    small = InputBuffers(S, 8, 16, cpu)  # fewer tokens than the step's 11: new tensors
+    batch = prepare_step(states, scheduled, block_size, cpu, small)
+    assert batch.input_ids.data_ptr() != small.input_ids.data_ptr()
+    assert torch.equal(batch.input_ids, plain.input_ids) and torch.equal(batch.attn.seq_lens, plain.attn.seq_lens)
