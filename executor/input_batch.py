@@ -24,8 +24,43 @@ class InputBatch:
     sample_rows_np: np.ndarray
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens] int64
-    logits_indices: torch.Tensor  # [num_reqs] batch row -> its last token
+    logits_indices: torch.Tensor  # [num_reqs] int64, batch row -> its last token
+    sample_positions: torch.Tensor  # [num_reqs] int64, seq_lens: where each row's sampled token goes
     attn: AttentionMetadata
+
+
+# The step's host arrays, packed for one upload into int64 [WIDE * S] then int32 [NARROW * S + 1] (rounded up
+# to whole int64s), S rows a segment: the rows past the batch's are filled as the CUDA graphs' padding reads them.
+_WIDE = ("idx_mapping", "sample_rows", "logits_indices", "sample_positions")  # int64 segments
+_NARROW = ("seq_lens",)  # int32 segments, after query_start_loc [S + 1]
+
+
+def _packed_len(S: int) -> int:  # int64 elements
+    return len(_WIDE) * S + (len(_NARROW) * S + S + 2) // 2
+
+
+def _pack(S: int, idx_mapping, query_start_loc, seq_lens, sample_rows) -> np.ndarray:
+    """The host array for S rows a segment (S >= the batch's rows)."""
+    n, k, W = len(idx_mapping), len(sample_rows), len(_WIDE) * S
+    host = np.zeros(_packed_len(S), dtype=np.int64)
+    host[:n] = idx_mapping
+    host[S : S + k] = sample_rows
+    host[2 * S : 2 * S + n] = query_start_loc[1:] - 1
+    host[3 * S : 3 * S + n] = seq_lens
+    narrow = host[W:].view(np.int32)
+    narrow[: n + 1], narrow[n + 1 : S + 1] = query_start_loc, query_start_loc[-1]  # empty rows
+    narrow[S + 1 : S + 1 + n], narrow[S + 1 + n : 2 * S + 1] = seq_lens, 1  # padding rows: one key
+    return host
+
+
+def _views(packed: torch.Tensor, S: int) -> dict[str, torch.Tensor]:
+    """packed's segments, S rows each (query_start_loc S + 1)."""
+    W = len(_WIDE) * S
+    narrow = packed[W:].view(torch.int32)
+    views = {name: packed[i * S : (i + 1) * S] for i, name in enumerate(_WIDE)}
+    views["query_start_loc"] = narrow[: S + 1]
+    views["seq_lens"] = narrow[S + 1 : 2 * S + 1]
+    return views
 
 
 class InputBuffers:
@@ -35,26 +70,15 @@ class InputBuffers:
 
     def __init__(self, rows: int, tokens: int, max_blocks: int, device: torch.device) -> None:
         S, T = rows, tokens
-        # idx_mapping [S] | query_start_loc [S + 1] | seq_lens [S] | sample_rows [S], filled by one upload
-        self.packed = torch.zeros(4 * S + 1, dtype=torch.int32, device=device)
-        self.query_start_loc = self.packed[S : 2 * S + 1]  # past the batch's rows: its token count (empty rows)
-        self.seq_lens = self.packed[2 * S + 1 : 3 * S + 1]  # past the batch's rows: 1 (one key; graph padding)
-        self.seq_lens.fill_(1)
+        self.packed = torch.from_numpy(_pack(S, [], np.zeros(1, np.int32), [], [])).to(device)  # one upload a step
+        views = _views(self.packed, S)
+        self.query_start_loc = views["query_start_loc"]  # [S + 1] past the batch's rows: its token count
+        self.seq_lens = views["seq_lens"]  # [S] past the batch's rows: 1 (one key; graph padding)
         self.input_ids = torch.zeros(T, dtype=torch.long, device=device)  # [T]
         self.positions = torch.zeros(T, dtype=torch.long, device=device)  # [T]
         self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=device)  # [T] token -> cache slot
         self.block_tables = torch.zeros(S, max_blocks, dtype=torch.int32, device=device)  # [S, max_blocks]
         self.rows, self.tokens = S, T
-
-    def pack(self, idx_mapping, query_start_loc, seq_lens, sample_rows) -> np.ndarray:
-        """The host array of packed's layout, every segment filled to its end."""
-        S, n, k = self.rows, len(idx_mapping), len(sample_rows)
-        host = np.empty(4 * S + 1, dtype=np.int32)
-        host[:n], host[n:S] = idx_mapping, 0
-        host[S : S + n + 1], host[S + n + 1 : 2 * S + 1] = query_start_loc, query_start_loc[-1]
-        host[2 * S + 1 : 2 * S + 1 + n], host[2 * S + 1 + n : 3 * S + 1] = seq_lens, 1
-        host[3 * S + 1 : 3 * S + 1 + k], host[3 * S + 1 + k :] = sample_rows, 0
-        return host
 
 
 def prepare_inputs(
@@ -62,9 +86,9 @@ def prepare_inputs(
     bufs: InputBuffers | None = None,
 ) -> InputBatch:
     """One small host array goes to the device (slots, query starts,
-    sequence lengths, sampling rows); positions, input ids, the
-    block tables and the slot mapping are derived there from slot state
-    (kernels/input_prep.py). With bufs, all of it lands in those buffers
+    sequence lengths, sampling rows, the rows' last tokens); positions, input
+    ids, the block tables and the slot mapping are derived there from slot
+    state (kernels/input_prep.py). With bufs, all of it lands in those buffers
     (the batch's tensors are their leading rows) if the batch fits them;
     otherwise in new tensors."""
     req_ids = list(num_scheduled_tokens)
@@ -80,27 +104,22 @@ def prepare_inputs(
 
     if bufs is not None and (n > bufs.rows or num_tokens > bufs.tokens):
         bufs = None  # larger than any graph: new tensors, and the step runs eagerly
+    S = n if bufs is None else bufs.rows
+    host = _pack(S, idx_mapping_np, query_start_loc_np, seq_lens_np, sample_rows_np)
     if bufs is None:
-        packed = upload(np.concatenate([idx_mapping_np, query_start_loc_np, seq_lens_np, sample_rows_np])
-                        .astype(np.int32), device)
-        starts = (0, n, 2 * n + 1, 3 * n + 1)
-        out = None
+        views, out = _views(upload(host, device), S), None
     else:
-        packed = upload_into(bufs.packed, bufs.pack(idx_mapping_np, query_start_loc_np, seq_lens_np, sample_rows_np))
-        S = bufs.rows
-        starts = (0, S, 2 * S + 1, 3 * S + 1)
-        out = (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.block_tables)
-    idx_mapping = packed[starts[0] : starts[0] + n].long()
-    query_start_loc = packed[starts[1] : starts[1] + n + 1]
-    seq_lens = packed[starts[2] : starts[2] + n]
-    sample_rows = packed[starts[3] : starts[3] + len(sample_rows_np)].long()
+        upload_into(bufs.packed, host)
+        views, out = _views(bufs.packed, S), (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.block_tables)
+    idx_mapping = views["idx_mapping"][:n]
+    query_start_loc = views["query_start_loc"][: n + 1]
 
     input_ids, positions, slot_mapping, block_tables = dispatch.prepare_inputs(
         idx_mapping, query_start_loc, num_tokens, states.num_computed.gpu, states.token_ids.gpu,
         states.block_table.gpu, block_size, out)
     attn = AttentionMetadata(
         query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
+        seq_lens=views["seq_lens"][:n],
         block_tables=block_tables,
         slot_mapping=slot_mapping,
         query_start_loc_cpu=query_start_loc_np.tolist(),
@@ -115,10 +134,11 @@ def prepare_inputs(
         num_scheduled_np=num_scheduled_np,
         query_start_loc_np=query_start_loc_np,
         seq_lens_np=seq_lens_np,
-        sample_rows=sample_rows,
+        sample_rows=views["sample_rows"][: len(sample_rows_np)],
         sample_rows_np=sample_rows_np,
         input_ids=input_ids,
         positions=positions,
-        logits_indices=query_start_loc[1:].long() - 1,
+        logits_indices=views["logits_indices"][:n],
+        sample_positions=views["sample_positions"][:n],
         attn=attn,
     )

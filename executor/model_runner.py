@@ -324,7 +324,8 @@ class ModelRunner:
             hidden = self.graphs.run(batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn)
-        logits = self.model.compute_logits(hidden[batch.logits_indices], upcast=False)
+        last = hidden if batch.attn.max_query_len == 1 else hidden[batch.logits_indices]  # each row's last token
+        logits = self.model.compute_logits(last, upcast=False)
         sampled, logprobs = sample(logits, batch, states, self.processors)
         beams = None
         if sched.beam_selects:
@@ -404,11 +405,9 @@ class ModelRunner:
         states = self.states
         slots = batch.idx_mapping_np
         states.num_computed.np[slots] = batch.seq_lens_np
-        states.num_computed.gpu[batch.idx_mapping] = batch.attn.seq_lens  # computed + scheduled
-        if batch.sample_rows_np.size:
-            rows = batch.sample_rows
-            states.token_ids.gpu[batch.idx_mapping[rows], batch.attn.seq_lens[rows].long()] = sampled[rows].int()
-            states.num_tokens[slots[batch.sample_rows_np]] += 1
+        dispatch.advance_slots(batch.idx_mapping, batch.attn.seq_lens, batch.sample_rows, sampled,
+                               states.num_computed.gpu, states.token_ids.gpu)
+        states.num_tokens[slots[batch.sample_rows_np]] += 1
 
     def _record(self, pending: PendingOutput, sampled: list[int]) -> None:
         """Hand sampled tokens to what keeps host-side histories (bad words,

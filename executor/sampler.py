@@ -74,7 +74,7 @@ def sample(
     slots = batch.idx_mapping_np
     idx = batch.idx_mapping
     num_tokens = states.num_tokens[slots]  # [num_rows] tokens: prompt + outputs, sampled ones included
-    positions = batch.attn.seq_lens.long()  # where the sampled token goes
+    positions = batch.sample_positions  # where the sampled token goes
     processed = _process(logits, slots, idx, st, states.token_ids.gpu, num_tokens, processors)
     temps = st.temperature.np[slots]
     wants_logprobs = st.num_logprobs.np[slots] >= 0

@@ -114,3 +114,40 @@ def prepare_inputs(
             BLOCK_SIZE=block_size, BLOCK=_BLOCK,
         )
     return input_ids, positions, slot_mapping, block_tables
+
+
+def advance_slots_ref(
+    idx_mapping: torch.Tensor,  # [num_reqs] int64, batch row -> slot
+    seq_lens: torch.Tensor,  # [num_reqs] int32, tokens in the cache after the step
+    sample_rows: torch.Tensor,  # [num_samples] int64, the rows that sampled a token
+    sampled: torch.Tensor,  # [num_reqs] int64, each row's sampled token (read at sample_rows)
+    num_computed: torch.Tensor,  # [num_slots] int32, updated
+    token_ids: torch.Tensor,  # [num_slots, max_model_len] int32, updated
+) -> None:
+    """Move each row's slot past a step: it has computed seq_lens tokens, and a
+    sampling row's token goes into its slot's token ids at position seq_lens,
+    where the next step's prepare_inputs reads it."""
+    num_computed[idx_mapping] = seq_lens
+    if sample_rows.numel():
+        token_ids[idx_mapping[sample_rows], seq_lens[sample_rows].long()] = sampled[sample_rows].to(token_ids.dtype)
+
+
+@triton.jit
+def _advance_slots_kernel(idx_mapping_ptr, seq_lens_ptr, sample_rows_ptr, sampled_ptr, num_computed_ptr,
+                          token_ids_ptr, token_ids_stride, num_samples):
+    """Program r sets row r's computed count and, if r < num_samples, writes sample r's token."""
+    r = tl.program_id(0)
+    slot = tl.load(idx_mapping_ptr + r)
+    tl.store(num_computed_ptr + slot, tl.load(seq_lens_ptr + r))
+    if r < num_samples:
+        row = tl.load(sample_rows_ptr + r)
+        dst = tl.load(idx_mapping_ptr + row) * token_ids_stride + tl.load(seq_lens_ptr + row)
+        tl.store(token_ids_ptr + dst, tl.load(sampled_ptr + row).to(token_ids_ptr.dtype.element_ty))
+
+
+def advance_slots(idx_mapping, seq_lens, sample_rows, sampled, num_computed, token_ids) -> None:
+    """Triton version of advance_slots_ref: one launch instead of half a dozen ops."""
+    assert token_ids.stride(1) == 1 and sample_rows.shape[0] <= idx_mapping.shape[0]
+    if idx_mapping.shape[0]:
+        _advance_slots_kernel[(idx_mapping.shape[0],)](idx_mapping, seq_lens, sample_rows, sampled, num_computed,
+                                                       token_ids, token_ids.stride(0), sample_rows.shape[0])

@@ -11,7 +11,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from headrace.kernels.input_prep import prepare_inputs, prepare_inputs_ref  # noqa: E402
+from headrace.kernels.input_prep import (  # noqa: E402
+    advance_slots, advance_slots_ref, prepare_inputs, prepare_inputs_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -111,7 +113,7 @@ def test_step_inputs_in_buffers_match_new_tensors():
     plain = prepare_step(states, scheduled, block_size, cpu)
     bufs = InputBuffers(S, 32, 16, cpu)
     batch = prepare_step(states, scheduled, block_size, cpu, bufs)
-    for name in ("idx_mapping", "sample_rows", "input_ids", "positions", "logits_indices"):
+    for name in ("idx_mapping", "sample_rows", "input_ids", "positions", "logits_indices", "sample_positions"):
         assert torch.equal(getattr(batch, name), getattr(plain, name)), name
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         assert torch.equal(getattr(batch.attn, name), getattr(plain.attn, name)), name
@@ -119,7 +121,35 @@ def test_step_inputs_in_buffers_match_new_tensors():
     assert batch.attn.seq_lens.data_ptr() == bufs.seq_lens.data_ptr()
     assert bufs.query_start_loc[4:].tolist() == [11] * (S - 3) and bufs.seq_lens[3:].tolist() == [1] * (S - 3)
     assert plain.sample_rows.tolist() == [0, 1, 2]
+    assert plain.logits_indices.tolist() == [8, 9, 10] and plain.sample_positions.tolist() == [9, 5, 12]
+    for t in (plain.idx_mapping, plain.sample_rows, plain.logits_indices, plain.sample_positions):
+        assert t.dtype == torch.int64
+    assert plain.attn.query_start_loc.dtype == plain.attn.seq_lens.dtype == torch.int32
     small = InputBuffers(S, 8, 16, cpu)  # fewer tokens than the step's 11: new tensors
     batch = prepare_step(states, scheduled, block_size, cpu, small)
     assert batch.input_ids.data_ptr() != small.input_ids.data_ptr()
     assert torch.equal(batch.input_ids, plain.input_ids) and torch.equal(batch.attn.seq_lens, plain.attn.seq_lens)
+
+
+@pytest.mark.parametrize("fn", [advance_slots, advance_slots_ref])
+@pytest.mark.parametrize("num_samples", [0, 2, 5])
+def test_advance_slots(fn, num_samples):
+    """Each row's slot gets its computed count; each sampling row's token lands at its slot's seq_lens,
+    checked against a loop; slots outside the batch are untouched."""
+    g = torch.Generator().manual_seed(num_samples)
+    num_slots, width, n = 12, 40, 5
+    idx_mapping = torch.randperm(num_slots, generator=g)[:n]
+    seq_lens = torch.randint(1, width, (n,), generator=g, dtype=torch.int32)
+    sample_rows = torch.randperm(n, generator=g)[:num_samples].sort().values
+    sampled = torch.randint(0, 50_000, (n,), generator=g)
+    num_computed = torch.randint(0, 9, (num_slots,), generator=g, dtype=torch.int32)
+    token_ids = torch.randint(0, 50_000, (num_slots, width), generator=g, dtype=torch.int32)
+    want_computed, want_ids = num_computed.clone(), token_ids.clone()
+    for r in range(n):
+        want_computed[idx_mapping[r]] = seq_lens[r]
+    for r in sample_rows.tolist():
+        want_ids[idx_mapping[r], seq_lens[r]] = int(sampled[r])
+    got_computed, got_ids = num_computed.to(DEVICE), token_ids.to(DEVICE)
+    args = (idx_mapping, seq_lens, sample_rows, sampled)
+    fn(*(t.to(DEVICE) for t in args), got_computed, got_ids)
+    assert torch.equal(got_computed.cpu(), want_computed) and torch.equal(got_ids.cpu(), want_ids)
