@@ -82,23 +82,25 @@ def sample(
         sampled = processed.argmax(dim=-1)
         final = processed
     else:
-        temp = st.temperature.gpu[idx]
-        greedy = temp == 0
-        scale = torch.where(greedy, 1.0, temp)  # [num_rows] greedy rows keep their logits
-        seeds = st.seed.gpu[idx]
         final = None  # the scaled, filtered logits: made only when something reads them
         if _has_filters(slots, st):
-            final = _apply_filters(processed.float() / scale[:, None], slots, idx, st)
-            sampled = dispatch.gumbel_sample(final, seeds, positions)
-        else:  # the kernel scales by the temperature as it reads the logits
-            sampled = dispatch.gumbel_sample(processed, seeds, positions, scale)
+            final = _apply_filters(processed.float() / _scale(st, idx)[:, None], slots, idx, st)
+            sampled = dispatch.gumbel_sample(final, st.seed.gpu, positions, rows=idx)
+        else:  # the kernel reads each row's seed and temperature by slot and scales as it reads the logits
+            sampled = dispatch.gumbel_sample(processed, st.seed.gpu, positions, st.temperature.gpu, rows=idx)
             if wants_logprobs.any() and st.processed.np[slots].any():  # read by _logprobs
-                final = processed.float() / scale[:, None]
+                final = processed.float() / _scale(st, idx)[:, None]
         if (temps == 0).any():
-            sampled = torch.where(greedy, processed.argmax(dim=-1), sampled)
+            sampled = torch.where(st.temperature.gpu[idx] == 0, processed.argmax(dim=-1), sampled)
     if not wants_logprobs.any():
         return sampled, None
     return sampled, pack_logprobs(logits, final, sampled, slots, idx, st)
+
+
+def _scale(st: SamplingState, idx: torch.Tensor) -> torch.Tensor:  # [num_rows] float32
+    """Each row's temperature, 1 for greedy rows (their logits are kept as they are)."""
+    temp = st.temperature.gpu[idx]
+    return torch.where(temp == 0, 1.0, temp)
 
 
 def _has_filters(slots, st: SamplingState) -> bool:

@@ -76,9 +76,16 @@ def gumbel_sample_ref(
     seeds: torch.Tensor,  # [num_rows] int64
     positions: torch.Tensor,  # [num_rows] int64
     temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled
+    rows: torch.Tensor | None = None,  # [num_rows] int64: seeds and temperature are per slot, read at rows
 ) -> torch.Tensor:  # [num_rows] int64
-    """Gumbel-max: argmax(logits / temperature + Gumbel noise) is a sample of softmax(logits / temperature)."""
+    """Gumbel-max: argmax(logits / temperature + Gumbel noise) is a sample of softmax(logits / temperature).
+    With rows, a temperature of 0 (a greedy row, whose token is the argmax) reads the logits unscaled."""
     logits = logits.float()
+    if rows is not None:
+        seeds = seeds[rows]
+        if temperature is not None:
+            temperature = temperature[rows]
+            temperature = torch.where(temperature == 0, 1.0, temperature)
     if temperature is not None:
         logits = logits / temperature[:, None]
     return (logits + gumbel_ref(seeds, positions, logits.shape[-1])).argmax(dim=-1)
@@ -103,9 +110,9 @@ def _mix32_tl(x):
 
 
 @triton.jit
-def _row_key(seeds_ptr, positions_ptr, row):
-    """The row's uint32 key: the reference's `key`, from its seed and position."""
-    seed = tl.load(seeds_ptr + row)
+def _row_key(seeds_ptr, positions_ptr, row, seed_at=None):
+    """The row's uint32 key: the reference's `key`, from its seed (at seed_at, else at row) and position."""
+    seed = tl.load(seeds_ptr + (row if seed_at is None else seed_at))
     lo = seed.to(tl.uint32)  # int64 -> uint32 truncates: seed & _M32
     hi = (seed >> 32).to(tl.uint32)  # (seed >> 32) & _M32
     key = _mix32_tl(lo ^ _mix32_tl(hi ^ 0x9E3779B9))
@@ -177,18 +184,22 @@ def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:  # [n] int64 in [0, 2*
 @triton.jit
 def _gumbel_sample_kernel(
     logits_ptr, logits_stride,
-    seeds_ptr, positions_ptr, temperature_ptr,
+    seeds_ptr, positions_ptr, temperature_ptr, rows_ptr,
     part_val_ptr, part_idx_ptr,  # [num_rows, num_chunks]: each chunk's best value and its token
     vocab_size, chunk_size, num_chunks,
-    HAS_TEMPERATURE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (row, chunk of the vocabulary), so that small batches
-    still fill the GPU; the launcher picks the first chunk with the largest value."""
+    still fill the GPU; the launcher picks the first chunk with the largest value.
+    With HAS_ROWS, seeds and temperatures are per slot, read at rows[row]."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    key = _row_key(seeds_ptr, positions_ptr, row)
+    src = tl.load(rows_ptr + row) if HAS_ROWS else row
+    key = _row_key(seeds_ptr, positions_ptr, row, src)
     if HAS_TEMPERATURE:
-        temperature = tl.load(temperature_ptr + row)
+        temperature = tl.load(temperature_ptr + src)
+        if HAS_ROWS:  # a greedy row's 0: read unscaled (its token is the argmax, taken elsewhere)
+            temperature = tl.where(temperature == 0, 1.0, temperature)
     offs = tl.arange(0, BLOCK)
     lo = chunk * chunk_size
     hi = tl.minimum(lo + chunk_size, vocab_size)
@@ -226,6 +237,7 @@ def gumbel_sample(
     seeds: torch.Tensor,  # [num_rows] int64
     positions: torch.Tensor,  # [num_rows] int64
     temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled
+    rows: torch.Tensor | None = None,  # [num_rows] int64: seeds and temperature are per slot, read at rows
 ) -> torch.Tensor:  # [num_rows] int64
     """Triton version of gumbel_sample_ref: argmax(logits / temperature +
     Gumbel noise), noise from the same hash, in one pass over the logits."""
@@ -240,8 +252,8 @@ def gumbel_sample(
     part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
     _gumbel_sample_kernel[(num_rows, num_chunks)](
         logits, logits.stride(0), seeds, positions, logits if temperature is None else temperature,
-        part_val, part_idx, vocab_size, chunk_size, num_chunks,
-        HAS_TEMPERATURE=temperature is not None, BLOCK=_VOCAB_BLOCK,
+        positions if rows is None else rows, part_val, part_idx, vocab_size, chunk_size, num_chunks,
+        HAS_TEMPERATURE=temperature is not None, HAS_ROWS=rows is not None, BLOCK=_VOCAB_BLOCK,
     )
     if num_chunks == 1:
         return part_idx[:, 0]

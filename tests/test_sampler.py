@@ -31,6 +31,7 @@ class _Batch:
     def set_seq_lens(self, seq_lens):
         self.seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
         self.attn = SimpleNamespace(seq_lens=torch.from_numpy(self.seq_lens_np.astype(np.int32)))
+        self.sample_positions = torch.from_numpy(self.seq_lens_np)  # int64, as input preparation uploads it
 
 
 def make_states(params: list[SamplingParams], seeds=None, vocab=300) -> tuple[RequestStates, _Batch]:
