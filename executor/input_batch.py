@@ -29,27 +29,26 @@ class InputBatch:
     attn: AttentionMetadata
 
 
-# The step's host arrays, packed for one upload into int64 [WIDE * S] then int32 [NARROW * S + 1] (rounded up
-# to whole int64s), S rows a segment: the rows past the batch's are filled as the CUDA graphs' padding reads them.
-_WIDE = ("idx_mapping", "sample_rows", "logits_indices", "sample_positions")  # int64 segments
-_NARROW = ("seq_lens",)  # int32 segments, after query_start_loc [S + 1]
+# The step's host arrays, packed for one upload: int64 segments of S rows each, in _WIDE's order, then int32
+# query_start_loc [S + 1] and seq_lens [S] (rounded up to whole int64s). The rows past the batch's are filled
+# as the CUDA graphs' padding reads them: query starts at the token count (empty rows), one key a row.
+_WIDE = ("idx_mapping", "sample_rows", "logits_indices", "sample_positions")
 
 
 def _packed_len(S: int) -> int:  # int64 elements
-    return len(_WIDE) * S + (len(_NARROW) * S + S + 2) // 2
+    return len(_WIDE) * S + (2 * S + 2) // 2
 
 
 def _pack(S: int, idx_mapping, query_start_loc, seq_lens, sample_rows) -> np.ndarray:
     """The host array for S rows a segment (S >= the batch's rows)."""
-    n, k, W = len(idx_mapping), len(sample_rows), len(_WIDE) * S
+    n, W = len(idx_mapping), len(_WIDE) * S
     host = np.zeros(_packed_len(S), dtype=np.int64)
-    host[:n] = idx_mapping
-    host[S : S + k] = sample_rows
-    host[2 * S : 2 * S + n] = query_start_loc[1:] - 1
-    host[3 * S : 3 * S + n] = seq_lens
+    wide = host[:W].reshape(len(_WIDE), S)
+    for row, values in zip(wide, (idx_mapping, sample_rows, query_start_loc[1:] - 1, seq_lens), strict=True):
+        row[: len(values)] = values
     narrow = host[W:].view(np.int32)
-    narrow[: n + 1], narrow[n + 1 : S + 1] = query_start_loc, query_start_loc[-1]  # empty rows
-    narrow[S + 1 : S + 1 + n], narrow[S + 1 + n : 2 * S + 1] = seq_lens, 1  # padding rows: one key
+    narrow[: n + 1], narrow[n + 1 : S + 1] = query_start_loc, query_start_loc[-1]
+    narrow[S + 1 : S + 1 + n], narrow[S + 1 + n : 2 * S + 1] = seq_lens, 1
     return host
 
 
