@@ -69,10 +69,11 @@ class InputBuffers:
 
     def __init__(self, rows: int, tokens: int, max_blocks: int, device: torch.device) -> None:
         S, T = rows, tokens
-        self.packed = torch.from_numpy(_pack(S, [], np.zeros(1, np.int32), [], [])).to(device)  # one upload a step
-        views = _views(self.packed, S)
-        self.query_start_loc = views["query_start_loc"]  # [S + 1] past the batch's rows: its token count
-        self.seq_lens = views["seq_lens"]  # [S] past the batch's rows: 1 (one key; graph padding)
+        # one upload a step; until the first, every row is padding (empty, one key), as the graphs are captured
+        self.packed = torch.from_numpy(_pack(S, [], np.zeros(1, np.int32), [], [])).to(device)
+        self.views = _views(self.packed, S)  # the segments, made once: a step slices their leading rows
+        self.query_start_loc = self.views["query_start_loc"]  # [S + 1] past the batch's rows: its token count
+        self.seq_lens = self.views["seq_lens"]  # [S] past the batch's rows: 1 (one key; graph padding)
         self.input_ids = torch.zeros(T, dtype=torch.long, device=device)  # [T]
         self.positions = torch.zeros(T, dtype=torch.long, device=device)  # [T]
         self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=device)  # [T] token -> cache slot
@@ -109,7 +110,7 @@ def prepare_inputs(
         views, out = _views(upload(host, device), S), None
     else:
         upload_into(bufs.packed, host)
-        views, out = _views(bufs.packed, S), (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.block_tables)
+        views, out = bufs.views, (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.block_tables)
     idx_mapping = views["idx_mapping"][:n]
     query_start_loc = views["query_start_loc"][: n + 1]
 

@@ -5,20 +5,22 @@ import numpy as np
 import torch
 
 
+def _staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The array as a tensor, in pinned memory when it is bound for a GPU."""
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.pin_memory()
+
+
 def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on the device without stalling the host: staged through
     pinned memory (torch's caching host allocator keeps the buffer until the
     copy has run), so the copy is queued like a kernel."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return _staged(array, device).to(device, non_blocking=True)
 
 
 def upload_into(dst: torch.Tensor, array: np.ndarray) -> torch.Tensor:
     """upload() into an existing device tensor of the array's size: one queued copy."""
-    tensor = torch.from_numpy(array)
-    return dst.copy_(tensor if dst.device.type == "cpu" else tensor.pin_memory(), non_blocking=True)
+    return dst.copy_(_staged(array, dst.device), non_blocking=True)
 
 
 class StagedTensor:

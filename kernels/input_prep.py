@@ -28,6 +28,7 @@ def prepare_inputs_ref(
     """(input_ids [num_tokens] int64, positions [num_tokens] int64, slot_mapping
     [num_tokens] int64, block_tables [num_reqs, max_blocks] int32)."""
     if out is not None:
+        _check_out(out, num_tokens, idx_mapping.shape[0])
         want = prepare_inputs_ref(idx_mapping, query_start_loc, num_tokens, num_computed, token_ids, block_table,
                                   block_size)
         return tuple(o[: w.shape[0]].copy_(w) for o, w in zip(out, want))
@@ -41,6 +42,13 @@ def prepare_inputs_ref(
     block_tables = block_table[idx_mapping]
     slot_mapping = block_tables[row, positions // block_size].long() * block_size + positions % block_size
     return input_ids, positions, slot_mapping, block_tables
+
+
+def _check_out(out: tuple[torch.Tensor, ...], num_tokens: int, num_reqs: int) -> None:
+    """prepare_inputs's out buffers must hold the batch's tokens and rows."""
+    if min(o.shape[0] for o in out[:3]) < num_tokens or out[3].shape[0] < num_reqs:
+        raise ValueError(f"prepare_inputs: out buffers hold fewer than the batch's {num_tokens} tokens "
+                         f"or {num_reqs} rows")
 
 
 # Triton: one program per batch row; it walks the row's queries and then
@@ -96,6 +104,7 @@ def prepare_inputs(
     num_reqs = idx_mapping.shape[0]
     dev = idx_mapping.device
     if out is not None:
+        _check_out(out, num_tokens, num_reqs)
         input_ids, positions, slot_mapping, block_tables = (out[0][:num_tokens], out[1][:num_tokens],
                                                             out[2][:num_tokens], out[3][:num_reqs])
     else:

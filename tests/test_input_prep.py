@@ -89,6 +89,11 @@ def test_prepare_inputs_into_buffers(kernel):
         assert o.data_ptr() == buf.data_ptr() and o.shape == w.shape
         assert torch.equal(o.cpu(), w)
         assert (buf[w.shape[0]:] == -7).all()
+    short = (out[0][: num_tokens - 1], out[1], out[2], out[3])  # one token short: refused, nothing written
+    with pytest.raises(ValueError, match="out buffers"):
+        kernel(*args, short)
+    with pytest.raises(ValueError, match="out buffers"):
+        kernel(*args, out[:3] + (out[3][:4],))  # a row short
 
 
 def test_step_inputs_in_buffers_match_new_tensors():
