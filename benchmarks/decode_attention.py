@@ -1,16 +1,20 @@
 """The decode attention kernel (kernels/attention.py) by K split count, against the bytes it reads.
 
     python3 benchmarks/decode_attention.py [--batches 1,4,16,64] [--contexts 256,1024,4096] [--splits 1,2,...]
-        [--ids-ahead auto|on|off]
+        [--ids-ahead auto|on|off] [--lengths uniform|mixed]
 
 Qwen3's attention shape (32 query heads, 8 KV heads, head_dim 128, bf16 cache,
-16-token blocks). Each request has `context` tokens in the cache; the kernel is
-given max_seq_len = context + 128 (a CUDA graph is captured with a bound above
+16-token blocks). With --lengths uniform each request has `context` tokens in
+the cache; with mixed, a random count from 64 to 2 * context - 64 (mean
+`context`) in a shuffled order, as a serving batch holds. The kernel is given
+max_seq_len = the longest + 128 (a CUDA graph is captured with a bound above
 the live contexts). Microseconds per call, timed as CUDA-graph replays cycling
 through enough caches that none stays in L2; the floor is the K and V bytes at
 the copy bandwidth measured in the same run. "auto" is the split count
-paged_attention picks by itself. --ids-ahead forces one way of reading block
-ids (kernels/attention.py's _attend_keys); auto leaves the choice to the kernel.
+paged_attention picks by itself, in batch order; "longest" is the same with the
+requests taken longest first (the order the engine passes). --ids-ahead forces
+one way of reading block ids (kernels/attention.py's _attend_keys); auto leaves
+the choice to the kernel.
 """
 from __future__ import annotations
 
@@ -25,17 +29,23 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 L2_BYTES = 50 * 2**20
 
 
-def caches(batch: int, context: int, count: int, gen: torch.Generator):
-    """count (q, kv_cache, query_start_loc, seq_lens, block_tables), blocks in a shuffled order."""
-    blocks_per_req = -(-context // BLOCK)
+def lengths(batch: int, context: int, mixed: bool, gen: torch.Generator) -> torch.Tensor:  # [batch] int32
+    if mixed:
+        return torch.randint(64, max(65, 2 * context - 63), (batch,), generator=gen, dtype=torch.int32)
+    return torch.full((batch,), context, dtype=torch.int32)
+
+
+def caches(lens: torch.Tensor, count: int, gen: torch.Generator):
+    """count (q, kv_cache, query_start_loc, seq_lens, block_tables) for requests of these lengths, blocks in a
+    shuffled order."""
+    batch, blocks_per_req = len(lens), -(-int(lens.max()) // BLOCK)
     out = []
     for _ in range(count):
         kv = torch.randn(2, batch * blocks_per_req, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).bfloat16().cuda()
         tables = torch.randperm(batch * blocks_per_req, generator=gen).reshape(batch, blocks_per_req)
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).bfloat16().cuda()
         qsl = torch.arange(batch + 1, dtype=torch.int32).cuda()
-        lens = torch.full((batch,), context, dtype=torch.int32).cuda()
-        out.append((q, kv, qsl, lens, tables.to(torch.int32).cuda()))
+        out.append((q, kv, qsl, lens.cuda(), tables.to(torch.int32).cuda()))
     return out
 
 
@@ -45,27 +55,33 @@ def main() -> None:
     parser.add_argument("--contexts", default="256,1024,4096")
     parser.add_argument("--splits", default="1,2,4,8,16,24,32")
     parser.add_argument("--ids-ahead", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--lengths", choices=("uniform", "mixed"), default="uniform")
     args = parser.parse_args()
     ahead = {"auto": None, "on": True, "off": False}[args.ids_ahead]
     bw, _ = measure_ceilings(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, block ids ahead: {args.ids_ahead}")
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, block ids ahead: {args.ids_ahead}, "
+          f"lengths: {args.lengths}")
     splits = list(map(int, args.splits.split(",")))
-    print(f"{'batch':>5} {'context':>7} {'floor us':>8} {'auto':>9} " + " ".join(f"{s:>7}" for s in splits))
+    print(f"{'batch':>5} {'context':>7} {'floor us':>8} {'auto':>9} {'longest':>7} "
+          + " ".join(f"{s:>7}" for s in splits))
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
-            kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
-            sets = caches(batch, context, max(2, -(-4 * L2_BYTES // kv_bytes)), gen)
-            bound = context + 128
+            lens = lengths(batch, context, args.lengths == "mixed", gen)
+            kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
+            sets = caches(lens, max(2, -(-4 * L2_BYTES // kv_bytes)), gen)
+            bound = int(lens.max()) + 128
+            longest = torch.argsort(lens, descending=True, stable=True).to(torch.int32).cuda()
 
-            def us(n):
-                return graph_call_us([lambda s=s: paged_attention(*s, 0.088, 1, bound, num_splits=n, ids_ahead=ahead)
-                                     for s in sets])
+            def us(n, **kw):
+                return graph_call_us([lambda s=s: paged_attention(*s, 0.088, 1, bound, num_splits=n, ids_ahead=ahead,
+                                                                  **kw) for s in sets])
 
             auto = _decode_num_splits(torch.device("cuda"), batch, KV_HEADS, bound)
             floor = kv_bytes / bw * 1e6
             cells = " ".join(f"{us(s):7.1f}" for s in splits)
-            print(f"{batch:>5} {context:>7} {floor:8.1f} {us(None):5.1f}/{auto:<3} {cells}", flush=True)
+            print(f"{batch:>5} {context:>7} {floor:8.1f} {us(None):5.1f}/{auto:<3} {us(None, order=longest):7.1f} "
+                  f"{cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    decode_order: torch.Tensor | None = None  # [num_reqs] int32, rows longest first: decode attention's order
 
 
 class Attention(nn.Module):
@@ -48,7 +49,7 @@ class Attention(nn.Module):
         # q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]
         if q.is_cuda:  # Triton kernels
             return paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                   self.scale, meta.max_query_len, meta.max_seq_len)
+                                   self.scale, meta.max_query_len, meta.max_seq_len, order=meta.decode_order)
         return paged_attention_ref(
             q, self.kv_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables, self.scale
         )
@@ -67,5 +68,5 @@ class Attention(nn.Module):
         rope = (positions, cos_sin, *qk_norm, self.kv_cache, meta.slot_mapping, self.num_heads)
         if qkv.is_cuda and meta.max_query_len == 1 and self.fused_decode:
             return decode_attention(qkv, *rope, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-                                    meta.max_seq_len)
+                                    meta.max_seq_len, order=meta.decode_order)
         return self(dispatch.rope_and_cache(qkv, *rope), meta)

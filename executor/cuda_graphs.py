@@ -91,6 +91,7 @@ class StepGraphs:
             query_start_loc=self.decode_starts[: n + 1], seq_lens=b.seq_lens[:n],
             block_tables=b.block_tables[:n], slot_mapping=b.slot_mapping[:n],
             query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=1, max_seq_len=self.max_model_len,
+            decode_order=b.decode_order[:n],
         )
 
     def _mixed_meta(self, tokens: int) -> AttentionMetadata:
@@ -99,6 +100,7 @@ class StepGraphs:
             query_start_loc=b.query_start_loc[: rows + 1], seq_lens=b.seq_lens[:rows],
             block_tables=b.block_tables[:rows], slot_mapping=b.slot_mapping[:tokens],
             query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=tokens, max_seq_len=self.max_model_len,
+            decode_order=b.decode_order[:rows],
         )
 
     def _capture(self, tokens: int, meta: AttentionMetadata, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

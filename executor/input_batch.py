@@ -30,13 +30,14 @@ class InputBatch:
 
 
 # The step's host arrays, packed for one upload: int64 segments of S rows each, in _WIDE's order, then int32
-# query_start_loc [S + 1] and seq_lens [S] (rounded up to whole int64s). The rows past the batch's are filled
-# as the CUDA graphs' padding reads them: query starts at the token count (empty rows), one key a row.
+# query_start_loc [S + 1], seq_lens [S] and decode_order [S] (rounded up to whole int64s). The rows past the
+# batch's are filled as the CUDA graphs' padding reads them: query starts at the token count (empty rows), one
+# key a row, and last in the order (so that any S' >= the batch's rows leaves decode_order[:S'] a permutation).
 _WIDE = ("idx_mapping", "sample_rows", "logits_indices", "sample_positions")
 
 
 def _packed_len(S: int) -> int:  # int64 elements
-    return len(_WIDE) * S + (2 * S + 2) // 2
+    return len(_WIDE) * S + (3 * S + 2) // 2
 
 
 def _pack(S: int, idx_mapping, query_start_loc, seq_lens, sample_rows) -> np.ndarray:
@@ -49,6 +50,9 @@ def _pack(S: int, idx_mapping, query_start_loc, seq_lens, sample_rows) -> np.nda
     narrow = host[W:].view(np.int32)
     narrow[: n + 1], narrow[n + 1 : S + 1] = query_start_loc, query_start_loc[-1]
     narrow[S + 1 : S + 1 + n], narrow[S + 1 + n : 2 * S + 1] = seq_lens, 1
+    # the longest rows first (stable: equal lengths keep batch order), then the padding rows
+    narrow[2 * S + 1 : 2 * S + 1 + n] = np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable")
+    narrow[2 * S + 1 + n : 3 * S + 1] = np.arange(n, S, dtype=np.int32)
     return host
 
 
@@ -59,6 +63,7 @@ def _views(packed: torch.Tensor, S: int) -> dict[str, torch.Tensor]:
     views = {name: packed[i * S : (i + 1) * S] for i, name in enumerate(_WIDE)}
     views["query_start_loc"] = narrow[: S + 1]
     views["seq_lens"] = narrow[S + 1 : 2 * S + 1]
+    views["decode_order"] = narrow[2 * S + 1 : 3 * S + 1]
     return views
 
 
@@ -74,6 +79,7 @@ class InputBuffers:
         self.views = _views(self.packed, S)  # the segments, made once: a step slices their leading rows
         self.query_start_loc = self.views["query_start_loc"]  # [S + 1] past the batch's rows: its token count
         self.seq_lens = self.views["seq_lens"]  # [S] past the batch's rows: 1 (one key; graph padding)
+        self.decode_order = self.views["decode_order"]  # [S] rows longest first; past the batch's: themselves
         self.input_ids = torch.zeros(T, dtype=torch.long, device=device)  # [T]
         self.positions = torch.zeros(T, dtype=torch.long, device=device)  # [T]
         self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=device)  # [T] token -> cache slot
@@ -126,6 +132,7 @@ def prepare_inputs(
         seq_lens_cpu=seq_lens_np.tolist(),
         max_query_len=int(num_scheduled_np.max()),
         max_seq_len=int(seq_lens_np.max()),
+        decode_order=views["decode_order"][:n],
     )
     return InputBatch(
         req_ids=req_ids,

@@ -318,14 +318,14 @@ def _paged_decode_kernel(
     out_ptr, stride_ot, stride_oh,
     part_m_ptr, part_l_ptr, part_acc_ptr,  # [num_reqs, num_heads, num_splits(, BLOCK_D)] fp32
     cache_ptr, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
-    query_start_loc_ptr, seq_lens_ptr,
+    query_start_loc_ptr, seq_lens_ptr, order_ptr,
     block_tables_ptr, stride_bt,
     num_heads, head_dim, qk_scale, num_splits,
     positions_ptr, cos_sin_ptr, cos_sin_stride, q_weight_ptr, k_weight_ptr, eps, slot_mapping_ptr, num_kv_heads,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    ROPE: tl.constexpr, NORM: tl.constexpr, IDS_AHEAD: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, NORM: tl.constexpr, IDS_AHEAD: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (request, KV head, split) for single-query rows: the
     group's query heads are the tile's rows (padded to GROUP_M >= 16 for
@@ -343,10 +343,19 @@ def _paged_decode_kernel(
     What the step's input preparation wrote (query_start_loc, seq_lens, positions,
     the slot mapping), at least two kernels back, is read before wait_for_previous,
     while the kernel before ends: the row's bounds, its slot and its rotary table,
-    and with IDS_AHEAD (few programs) its first tile's block ids (_attend_keys)."""
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    and with IDS_AHEAD (few programs) its first tile's block ids (_attend_keys).
+
+    Programs start in grid order, a request's KV heads side by side; with
+    ORDERED the requests come in order_ptr's order (longest first, so that the
+    last programs to start are short ones and no long one is left running
+    alone at the end)."""
+    rank = tl.program_id(0) // num_kv_heads
+    kv_head = tl.program_id(0) % num_kv_heads
+    split = tl.program_id(1)
+    if ORDERED:
+        req = tl.load(order_ptr + rank)
+    else:
+        req = rank
     q_start = tl.load(query_start_loc_ptr + req)
     single = tl.load(query_start_loc_ptr + req + 1) - q_start == 1
     seq_len = tl.load(seq_lens_ptr + req)
@@ -458,6 +467,7 @@ def paged_attention(
     num_splits: int | None = None,  # decode split-K partitions; None picks from the shapes
     use_decode_kernel: bool = True,  # False: every row through the general kernel (tests, benchmarks)
     ids_ahead: bool | None = None,  # the decode kernel's block-id reads (_attend_keys); None picks from the shapes
+    order: torch.Tensor | None = None,  # [num_reqs] int32: the decode kernel's request order; None: batch order
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
     """Triton version of paged_attention_ref, with no host sync: the bounds
     are host ints. Single-query rows go to the split-K decode kernel, the
@@ -493,7 +503,7 @@ def paged_attention(
         )
     if use_decode_kernel:
         launch_decode(q, q.stride(1), out, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len,
-                      num_splits, ids_ahead=ids_ahead)
+                      num_splits, ids_ahead=ids_ahead, order=order)
     return out
 
 
@@ -528,6 +538,7 @@ def launch_decode(
     num_splits: int | None = None,
     rope: tuple | None = None,  # (positions, cos_sin, q_weight, k_weight, eps, slot_mapping): kernels/qkv.py's
     ids_ahead: bool | None = None,  # as paged_attention's
+    order: torch.Tensor | None = None,  # [num_reqs] int32, a permutation of the rows: the order programs start in
 ) -> None:
     """The decode kernel (and its reduce, with split-K) over the single-query
     rows. With rope, q is the q|k|v projection and the kernel also does
@@ -554,12 +565,14 @@ def launch_decode(
     else:
         positions, cos_sin, q_weight, k_weight, eps, slot_mapping = rope
         cos_sin_stride = cos_sin.stride(0)
-    _paged_decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+    if order is not None:
+        assert order.shape == (num_reqs,) and order.dtype == torch.int32
+    _paged_decode_kernel[(num_reqs * num_kv_heads, num_splits)](
         q, q.stride(0), stride_qh,
         out, out.stride(0), out.stride(1),
         part_m, part_l, part_acc,
         *cache_args,
-        query_start_loc, seq_lens,
+        query_start_loc, seq_lens, seq_lens if order is None else order,
         block_tables, block_tables.stride(0),
         num_heads, head_dim, scale * _LOG2E, num_splits,
         positions, cos_sin, cos_sin_stride, q_weight if q_weight is not None else q,
@@ -567,7 +580,7 @@ def launch_decode(
         GROUP_M=max(16, triton.next_power_of_2(common["GROUP"])), SPLIT=split, ROPE=rope is not None,
         NORM=rope is not None and q_weight is not None,
         IDS_AHEAD=num_reqs * num_kv_heads <= _IDS_AHEAD_PAIRS if ids_ahead is None else ids_ahead,
-        num_warps=4, **common,
+        ORDERED=order is not None, num_warps=4, **common,
     )
     if split:
         _paged_decode_reduce_kernel[(num_reqs, num_heads)](

@@ -171,6 +171,7 @@ def decode_attention(
     max_seq_len: int,  # upper bound on seq_lens
     num_splits: int | None = None,  # split-K partitions; None picks from the shapes
     ids_ahead: bool | None = None,  # the kernel's block-id reads (attention.py's paged_attention)
+    order: torch.Tensor | None = None,  # [num_reqs] int32: the order the kernel takes the requests in
 ) -> torch.Tensor:
     """decode_attention_ref for a step whose every request has at most one
     query, in one launch (two with split-K): the decode attention kernel
@@ -180,5 +181,6 @@ def decode_attention(
     out = torch.empty((qkv.shape[0], num_heads, kv_cache.shape[4]), dtype=qkv.dtype, device=qkv.device)
     if qkv.shape[0] and seq_lens.shape[0]:
         launch_decode(qkv, kv_cache.shape[4], out, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                      max_seq_len, num_splits, (positions, cos_sin, q_weight, k_weight, eps, slot_mapping), ids_ahead)
+                      max_seq_len, num_splits, (positions, cos_sin, q_weight, k_weight, eps, slot_mapping), ids_ahead,
+                      order)
     return out

@@ -129,10 +129,14 @@ def test_paged_attention_decode(poisoned, block_size, heads, head_dim, dtype):
     # 64-key tile a split here), 1 and 3 splits, 32 (the most, leaving some
     # empty: at most 5 key tiles); block ids read a tile ahead at 1 and 3
     # splits (several tiles a program; empty splits), as the launcher itself
-    # reads them where the 6 requests have 1 or 2 KV heads; then the general
-    # kernel on the same rows.
+    # reads them where the 6 requests have 1 or 2 KV heads; the requests taken
+    # longest first (as the engine orders them) and in a shuffled order; then
+    # the general kernel on the same rows.
+    longest = torch.tensor(sorted(range(len(seq_lens)), key=lambda r: -seq_lens[r]), dtype=torch.int32, device=DEVICE)
+    shuffled = torch.tensor([4, 0, 5, 2, 1, 3], dtype=torch.int32, device=DEVICE)
     for kw in [{}, dict(num_splits=1), dict(num_splits=3), dict(num_splits=32), dict(num_splits=1, ids_ahead=True),
-               dict(num_splits=3, ids_ahead=True), dict(use_decode_kernel=False)]:
+               dict(num_splits=3, ids_ahead=True), dict(order=longest), dict(num_splits=1, order=shuffled),
+               dict(num_splits=3, order=shuffled, ids_ahead=True), dict(use_decode_kernel=False)]:
         out = _run(q, kv_cache, qsl, seq_lens, block_tables, scale, 1, max(seq_lens), **kw)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype), msg=lambda m: f"{kw}: {m}")
 
@@ -208,14 +212,16 @@ def test_decode_attention_from_qkv(poisoned, block_size, heads, head_dim, dtype,
     def dev(x):
         return torch.tensor(x, dtype=torch.int32, device=DEVICE)
 
-    for num_splits, ahead in [(1, False), (3, True), (7, False), (1, True)]:  # block ids read each way
+    reversed_rows = dev(list(range(len(seq_lens)))[::-1])  # programs in another order than the batch's
+    for num_splits, ahead, order in [(1, False, None), (3, True, None), (7, False, reversed_rows), (1, True, None),
+                                     (1, False, reversed_rows)]:  # block ids read each way
         got_cache = kv_cache.to(DEVICE)
         out = decode_attention(qkv.to(DEVICE), positions.to(DEVICE), cos_sin.to(DEVICE),
                                *[None if w is None else w.to(DEVICE) for w in weights], 1e-6, got_cache,
                                slots.to(DEVICE), num_heads, dev(qsl), dev(seq_lens), block_tables.to(DEVICE), scale,
-                               max(seq_lens), num_splits, ahead)
+                               max(seq_lens), num_splits, ahead, order)
         assert out.shape == (tokens, num_heads, head_dim) and out.dtype == dtype
-        msg = lambda m: f"num_splits={num_splits}, ids_ahead={ahead}: {m}"  # noqa: E731
+        msg = lambda m: f"num_splits={num_splits}, ids_ahead={ahead}, order={order}: {m}"  # noqa: E731
         torch.testing.assert_close(out[: qsl[-1]].cpu().float(), want.float(), **_tol(dtype), msg=msg)
         got_flat = got_cache.cpu().view(2, -1, num_kv_heads, head_dim)
         torch.testing.assert_close(got_flat[:, written].float(), want_cache.view(2, -1, num_kv_heads, head_dim)[

@@ -99,7 +99,7 @@ def test_prepare_inputs_into_buffers(kernel):
 def test_step_inputs_in_buffers_match_new_tensors():
     """executor.input_batch.prepare_inputs with InputBuffers gives the batch it gives without them, as views
     of the buffers, with the rows past the batch packed as the CUDA graphs' padding wants them: query starts
-    at the token count, one key a row."""
+    at the token count, one key a row, last in decode attention's order."""
     from headrace.executor.input_batch import InputBuffers
     from headrace.executor.input_batch import prepare_inputs as prepare_step
     from headrace.executor.sampling_state import SamplingState
@@ -125,6 +125,9 @@ def test_step_inputs_in_buffers_match_new_tensors():
     assert batch.input_ids.data_ptr() == bufs.input_ids.data_ptr()
     assert batch.attn.seq_lens.data_ptr() == bufs.seq_lens.data_ptr()
     assert bufs.query_start_loc[4:].tolist() == [11] * (S - 3) and bufs.seq_lens[3:].tolist() == [1] * (S - 3)
+    # decode attention takes the rows longest first (seq_lens 9, 5, 12); the padding rows after, as they are
+    assert plain.attn.decode_order.tolist() == batch.attn.decode_order.tolist() == [2, 0, 1]
+    assert bufs.decode_order.tolist() == [2, 0, 1, 3, 4, 5] and bufs.decode_order.dtype == torch.int32
     assert plain.sample_rows.tolist() == [0, 1, 2]
     assert plain.logits_indices.tolist() == [8, 9, 10] and plain.sample_positions.tolist() == [9, 5, 12]
     for t in (plain.idx_mapping, plain.sample_rows, plain.logits_indices, plain.sample_positions):
