@@ -3,6 +3,7 @@ floor, the step timeline, and the processes of the serving benchmarks."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -104,24 +105,68 @@ def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
+@dataclasses.dataclass
+class StepShape:
+    """What one step computed: batch rows, tokens, cached tokens read, rows that sampled, (query, key) pairs."""
+
+    rows: int
+    tokens: int
+    kv_tokens: int
+    sampled_rows: int
+    pairs: int
+
+
+# Row-count brackets of decode steps (one token a row) for by_rows, by name; steps with a prefill chunk are "mixed".
+ROW_BRACKETS = {"1-8": 8, "9-32": 32, "33-128": 128, "129+": 1 << 30}
+
+
+def by_rows(shapes: list[StepShape], spans: list[tuple[float, float]], step_floor) -> list[str]:
+    """A run's steps in brackets of batch rows (decode steps) or as mixed steps (a prefill chunk among the
+    rows): steps, GPU seconds, seconds the GPU waited for the host before them, the floor (step_floor's
+    bytes and FLOPs terms), and (GPU + wait) / floor. spans holds (GPU seconds, wait before) a step, in
+    the order of shapes (StepTimeline.spans)."""
+    if len(shapes) != len(spans):
+        raise ValueError(f"{len(shapes)} recorded steps but {len(spans)} timed ones")
+    groups: dict[str, list[int]] = {name: [] for name in [*ROW_BRACKETS, "mixed"]}
+    for i, shape in enumerate(shapes):
+        mixed = shape.tokens > shape.rows
+        groups["mixed" if mixed else next(n for n, hi in ROW_BRACKETS.items() if shape.rows <= hi)].append(i)
+    lines = [f"{'rows':>8} {'steps':>6} {'GPU s':>7} {'wait s':>7} {'floor s':>7} {'x floor':>7}"]
+    for name, idx in groups.items():
+        if not idx:
+            continue
+        gpu, wait = sum(spans[i][0] for i in idx), sum(spans[i][1] for i in idx)
+        floor = sum(sum(step_floor.seconds(1, shapes[i].kv_tokens, shapes[i].tokens, shapes[i].sampled_rows,
+                                           shapes[i].pairs)) for i in idx)
+        lines.append(f"{name:>8} {len(idx):>6} {gpu:7.3f} {wait:7.3f} {floor:7.3f} {(gpu + wait) / floor:7.2f}")
+    return lines
+
+
 class ScheduleRecorder:
     """Over the executed steps: tokens computed, KV tokens read, rows that
     sampled, and (query, key) pairs attended (causal within a chunk)."""
 
     def __init__(self, core) -> None:
         self.tokens = self.kv_tokens = self.steps = self.sampled_rows = self.pairs = 0
+        self.per_step: list[StepShape] = []  # the same figures, a step each
         execute = core.executor.execute
 
         def recording(sched):
             # tokens in the cache before the step (the scheduler has counted the step's already)
             computed = {r.request_id: r.num_computed_tokens - sched.num_scheduled_tokens[r.request_id]
                         for r in sched.reqs}
-            self.steps += 1
-            self.tokens += sched.total_num_scheduled_tokens
-            self.sampled_rows += sum(sched.samples)
+            kv_tokens = pairs = 0
             for rid, n in sched.num_scheduled_tokens.items():
-                self.kv_tokens += computed[rid] + n
-                self.pairs += n * computed[rid] + n * (n + 1) // 2
+                kv_tokens += computed[rid] + n
+                pairs += n * computed[rid] + n * (n + 1) // 2
+            step = StepShape(len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens, kv_tokens,
+                             sum(sched.samples), pairs)
+            self.per_step.append(step)
+            self.steps += 1
+            self.tokens += step.tokens
+            self.sampled_rows += step.sampled_rows
+            self.kv_tokens += kv_tokens
+            self.pairs += pairs
             return execute(sched)
 
         core.executor.execute = recording
@@ -154,6 +199,14 @@ class StepTimeline:
 
     def reset(self) -> None:
         self.events.clear()
+
+    def spans(self) -> list[tuple[float, float]]:
+        """(GPU seconds, seconds idle before it) a step; call after torch.cuda.synchronize()."""
+        out = []
+        for i, (start, end) in enumerate(self.events):
+            wait = max(0.0, self.events[i - 1][1].elapsed_time(start)) if i else 0.0
+            out.append((start.elapsed_time(end) / 1e3, wait / 1e3))
+        return out
 
     def idle(self) -> tuple[float, float]:
         """(GPU idle between steps, wall from the first start to the last end), in

@@ -3,6 +3,7 @@ floor and transformers' continuous batching.
 
     python3 benchmarks/throughput.py [--num-requests 256] [--peer-requests 32] [--model DIR]
                                      [--parts overlapped,serial,windows,peer] [--repeats 1] [--kernels]
+                                     [--by-rows]
 
 Workload: seed 0; prompts of uniform [100, 1024] random token ids in [0,
 10000); max_tokens uniform [100, 1024]; temperature 0.6; ignore_eos;
@@ -24,7 +25,10 @@ first two that many times in the same engine (the first run of a process also
 pays first uses, such as Triton compiles for new shapes); --kernels adds one
 more overlapped run under the torch profiler and prints its GPU time by
 kernel (set HEADRACE_PDL=0 for kernel times that hold no wait for the kernel
-ahead).
+ahead); --by-rows splits each overlapped run's steps by batch rows (decode
+steps of 1-8, 9-32, 33-128 and more rows, and steps with a prefill chunk):
+their GPU time, the time the GPU waited for the host before them, and their
+floor, to show where a run's distance from its floor lies.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import time
 
 import torch
 
-from benchmarks_common import (ScheduleRecorder, StepFloor, StepTimeline, gpu_busy, measure_ceilings,
+from benchmarks_common import (ScheduleRecorder, StepFloor, StepTimeline, by_rows, gpu_busy, measure_ceilings,
                                qwen3_06b_checkpoint, workload)
 from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
@@ -102,6 +106,8 @@ def main() -> None:
     parser.add_argument("--parts", default="overlapped,serial,windows,peer")
     parser.add_argument("--repeats", type=int, default=1, help="runs of the overlapped and serial parts")
     parser.add_argument("--kernels", action="store_true", help="GPU time by kernel over one overlapped run")
+    parser.add_argument("--by-rows", action="store_true",
+                        help="each overlapped run's steps by batch rows: GPU time, wait for the host, floor")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     unknown = parts - {"overlapped", "serial", "windows", "peer"}
@@ -130,6 +136,7 @@ def main() -> None:
         rec = ScheduleRecorder(core)
         timeline.reset()
         elapsed, out_tokens, _ = run_ours(core, prompts, max_tokens)
+        torch.cuda.synchronize()  # the last step's end event (recorded after its outputs' event)
         idle, wall = timeline.idle()
         rec.detach()
         floor = sum(step_floor.seconds(rec.steps, rec.kv_tokens, rec.tokens, rec.sampled_rows, rec.pairs))
@@ -138,6 +145,8 @@ def main() -> None:
               f"{elapsed:.2f} s = {out_tokens / elapsed:.0f} tok/s; {rec.steps} steps; floor {floor:.2f} s = "
               f"{out_tokens / floor:.0f} tok/s; time / floor = {elapsed / floor:.2f}; "
               f"GPU idle between steps {100 * idle / wall:.1f}% of {wall:.2f} s")
+        if args.by_rows and overlap:
+            print("\n".join("  " + line for line in by_rows(rec.per_step, timeline.spans(), step_floor)))
     core.async_scheduling = True
     if "windows" in parts:
         # A profiled rerun (the profiler slows the host): a window with every request
