@@ -276,6 +276,7 @@ class ModelRunner:
             query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_tables=table,
             slot_mapping=slots, query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens,
             max_query_len=max(lens), max_seq_len=max(lens),
+            decode_order=torch.arange(len(lens), dtype=torch.int32, device=dev),  # as every step has one
         )
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
