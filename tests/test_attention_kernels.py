@@ -130,13 +130,13 @@ def test_paged_attention_decode(poisoned, block_size, heads, head_dim, dtype):
     # empty: at most 5 key tiles); block ids read a tile ahead at 1 and 3
     # splits (several tiles a program; empty splits), as the launcher itself
     # reads them where the 6 requests have 1 or 2 KV heads; the requests taken
-    # longest first (as the engine orders them) and in a shuffled order; then
-    # the general kernel on the same rows.
+    # longest first, as the engine orders them (with one split in half the
+    # cases, the picked count in the others); then the general kernel on the
+    # same rows.
     longest = torch.tensor(sorted(range(len(seq_lens)), key=lambda r: -seq_lens[r]), dtype=torch.int32, device=DEVICE)
-    shuffled = torch.tensor([4, 0, 5, 2, 1, 3], dtype=torch.int32, device=DEVICE)
+    ordered = dict(order=longest, num_splits=1 if num_kv_heads > 2 else None)
     for kw in [{}, dict(num_splits=1), dict(num_splits=3), dict(num_splits=32), dict(num_splits=1, ids_ahead=True),
-               dict(num_splits=3, ids_ahead=True), dict(order=longest), dict(num_splits=1, order=shuffled),
-               dict(num_splits=3, order=shuffled, ids_ahead=True), dict(use_decode_kernel=False)]:
+               dict(num_splits=3, ids_ahead=True), ordered, dict(use_decode_kernel=False)]:
         out = _run(q, kv_cache, qsl, seq_lens, block_tables, scale, 1, max(seq_lens), **kw)
         torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype), msg=lambda m: f"{kw}: {m}")
 
@@ -182,7 +182,8 @@ def test_decode_attention_from_qkv(poisoned, block_size, heads, head_dim, dtype,
     not yet written shows), and every other slot left as it was. The last
     token belongs to no request (padding, slot -1). With 1, 3 and 7 splits of at
     most 5 key tiles, the key is written by the only program, by a middle
-    split's, and beside empty splits; half the cases norm q and k (Qwen3)."""
+    split's, and beside empty splits, with the requests taken in batch order or
+    reversed; half the cases norm q and k (Qwen3)."""
     from headrace.executor.models.layers import rope_cos_sin
     from headrace.checkpoint.config import RopeConfig
     from headrace.kernels.qkv import decode_attention, decode_attention_ref
@@ -213,8 +214,8 @@ def test_decode_attention_from_qkv(poisoned, block_size, heads, head_dim, dtype,
         return torch.tensor(x, dtype=torch.int32, device=DEVICE)
 
     reversed_rows = dev(list(range(len(seq_lens)))[::-1])  # programs in another order than the batch's
-    for num_splits, ahead, order in [(1, False, None), (3, True, None), (7, False, reversed_rows), (1, True, None),
-                                     (1, False, reversed_rows)]:  # block ids read each way
+    for num_splits, ahead, order in [(1, False, reversed_rows), (3, True, None), (7, False, reversed_rows),
+                                     (1, True, None)]:  # block ids read each way; rows in batch and reversed order
         got_cache = kv_cache.to(DEVICE)
         out = decode_attention(qkv.to(DEVICE), positions.to(DEVICE), cos_sin.to(DEVICE),
                                *[None if w is None else w.to(DEVICE) for w in weights], 1e-6, got_cache,
