@@ -124,7 +124,9 @@ def by_rows(shapes: list[StepShape], spans: list[tuple[float, float]], step_floo
     """A run's steps in brackets of batch rows (decode steps) or as mixed steps (a prefill chunk among the
     rows): steps, GPU seconds, seconds the GPU waited for the host before them, the floor (step_floor's
     bytes and FLOPs terms), and (GPU + wait) / floor. spans holds (GPU seconds, wait before) a step, in
-    the order of shapes (StepTimeline.spans)."""
+    the order of shapes (StepTimeline.spans). A step's GPU seconds run from its start event, recorded as
+    the host begins to queue it, to its end: a wait for the host's queuing inside the step counts there,
+    not as wait."""
     if len(shapes) != len(spans):
         raise ValueError(f"{len(shapes)} recorded steps but {len(spans)} timed ones")
     groups: dict[str, list[int]] = {name: [] for name in [*ROW_BRACKETS, "mixed"]}

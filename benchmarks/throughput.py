@@ -27,8 +27,10 @@ more overlapped run under the torch profiler and prints its GPU time by
 kernel (set HEADRACE_PDL=0 for kernel times that hold no wait for the kernel
 ahead); --by-rows splits each overlapped run's steps by batch rows (decode
 steps of 1-8, 9-32, 33-128 and more rows, and steps with a prefill chunk):
-their GPU time, the time the GPU waited for the host before them, and their
-floor, to show where a run's distance from its floor lies.
+their GPU time (from the GPU reaching the step's first queued operation, so a
+wait for the host's queuing within a step counts there), the time the GPU
+waited for the host between steps, and their floor, to show where a run's
+distance from its floor lies.
 """
 from __future__ import annotations
 
