@@ -146,11 +146,11 @@ def by_rows(shapes: list[StepShape], spans: list[tuple[float, float]], step_floo
 
 class ScheduleRecorder:
     """Over the executed steps: tokens computed, KV tokens read, rows that
-    sampled, and (query, key) pairs attended (causal within a chunk)."""
+    sampled, and (query, key) pairs attended (causal within a chunk); each
+    step's in per_step, the run's as the totals below."""
 
     def __init__(self, core) -> None:
-        self.tokens = self.kv_tokens = self.steps = self.sampled_rows = self.pairs = 0
-        self.per_step: list[StepShape] = []  # the same figures, a step each
+        self.per_step: list[StepShape] = []
         execute = core.executor.execute
 
         def recording(sched):
@@ -161,18 +161,32 @@ class ScheduleRecorder:
             for rid, n in sched.num_scheduled_tokens.items():
                 kv_tokens += computed[rid] + n
                 pairs += n * computed[rid] + n * (n + 1) // 2
-            step = StepShape(len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens, kv_tokens,
-                             sum(sched.samples), pairs)
-            self.per_step.append(step)
-            self.steps += 1
-            self.tokens += step.tokens
-            self.sampled_rows += step.sampled_rows
-            self.kv_tokens += kv_tokens
-            self.pairs += pairs
+            self.per_step.append(StepShape(len(sched.num_scheduled_tokens), sched.total_num_scheduled_tokens,
+                                           kv_tokens, sum(sched.samples), pairs))
             return execute(sched)
 
         core.executor.execute = recording
         self.detach = lambda: setattr(core.executor, "execute", execute)
+
+    @property
+    def steps(self) -> int:
+        return len(self.per_step)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.per_step)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(s.kv_tokens for s in self.per_step)
+
+    @property
+    def sampled_rows(self) -> int:
+        return sum(s.sampled_rows for s in self.per_step)
+
+    @property
+    def pairs(self) -> int:
+        return sum(s.pairs for s in self.per_step)
 
 
 class StepTimeline:
@@ -215,9 +229,8 @@ class StepTimeline:
         seconds; call after torch.cuda.synchronize()."""
         if len(self.events) < 2:
             return 0.0, 0.0
-        gaps = sum(max(0.0, end.elapsed_time(nxt)) for (_, end), (nxt, _) in zip(self.events, self.events[1:]))
         wall = self.events[0][0].elapsed_time(self.events[-1][1])
-        return gaps / 1e3, wall / 1e3
+        return sum(wait for _, wait in self.spans()), wall / 1e3
 
 
 def gpu_busy(prof) -> tuple[float, float]:

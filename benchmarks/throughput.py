@@ -117,6 +117,8 @@ def main() -> None:
         parser.error(f"unknown --parts {sorted(unknown)}")
     if "windows" in parts and "overlapped" not in parts:
         parser.error("--parts windows needs overlapped (its windows are steps of the overlapped run)")
+    if args.by_rows and "overlapped" not in parts:
+        parser.error("--by-rows needs --parts overlapped (it splits the overlapped runs' steps)")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     model = args.model or str(qwen3_06b_checkpoint())

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from benchmarks_common import StepShape, by_rows  # noqa: E402
+from benchmarks_common import ScheduleRecorder, StepShape, by_rows  # noqa: E402
 
 
 class Floor:
@@ -38,3 +38,26 @@ def test_steps_fall_in_their_brackets_with_their_time_wait_and_floor():
 def test_unmatched_steps_are_refused():
     with pytest.raises(ValueError, match="2 recorded steps but 1 timed"):
         by_rows([StepShape(1, 1, 1, 1, 0)] * 2, [(0.001, 0.0)], Floor())
+
+
+def test_schedule_recorder_keeps_each_step_and_the_totals():
+    """Two steps through a stand-in executor: a prefill chunk of 4 tokens over 2 cached, then one decode
+    token for each of two requests; the totals are the steps' sums, and detach restores execute."""
+    from types import SimpleNamespace as NS
+
+    def execute(sched):
+        return "queued"
+
+    core = NS(executor=NS(execute=execute))
+    rec = ScheduleRecorder(core)
+    a, b = NS(request_id="a", num_computed_tokens=6), NS(request_id="b", num_computed_tokens=3)
+    assert core.executor.execute(NS(reqs=[a], num_scheduled_tokens={"a": 4}, total_num_scheduled_tokens=4,
+                                    samples=[True])) == "queued"
+    a.num_computed_tokens = 7
+    core.executor.execute(NS(reqs=[a, b], num_scheduled_tokens={"a": 1, "b": 1}, total_num_scheduled_tokens=2,
+                             samples=[True, True]))
+    # a: 2 cached + 4 new (pairs 4 * 2 + 10); then a 6 + 1, b 2 + 1 (pairs 6 + 1 and 2 + 1)
+    assert rec.per_step == [StepShape(1, 4, 6, 1, 18), StepShape(2, 2, 10, 2, 10)]
+    assert (rec.steps, rec.tokens, rec.kv_tokens, rec.sampled_rows, rec.pairs) == (2, 6, 16, 3, 28)
+    rec.detach()
+    assert core.executor.execute is execute
