@@ -141,7 +141,7 @@ def advance_slots_ref(
         token_ids[idx_mapping[sample_rows], seq_lens[sample_rows].long()] = sampled[sample_rows].to(token_ids.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_samples"])
 def _advance_slots_kernel(idx_mapping_ptr, seq_lens_ptr, sample_rows_ptr, sampled_ptr, num_computed_ptr,
                           token_ids_ptr, token_ids_stride, num_samples):
     """Program r sets row r's computed count and, if r < num_samples, writes sample r's token."""

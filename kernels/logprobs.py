@@ -64,7 +64,7 @@ def _score(x, lse, act):
     return tl.where(act == 1, tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)), x - lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["token_ids_stride", "out_stride", "k"])
 def _compute_scores_kernel(
     logits_ptr, logits_stride,
     token_ids_ptr, token_ids_stride,
@@ -160,7 +160,7 @@ def token_ranks(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["out_stride", "max_ids"])
 def _fill_token_ids_kernel(
     idx_mapping_ptr,
     slot_ids_ptr, slot_ids_stride,

@@ -181,7 +181,7 @@ def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:  # [n] int64 in [0, 2*
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _gumbel_sample_kernel(
     logits_ptr, logits_stride,
     seeds_ptr, positions_ptr, temperature_ptr, rows_ptr,

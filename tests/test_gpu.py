@@ -408,3 +408,42 @@ def _sampled_logprob_gaps(path, ref, prompts, extra: dict, layer: type) -> tuple
         lp = hf_logprobs(ref, p + tokens[str(i)])
         diffs += [abs(s - lp[len(p) + j - 1, t].item()) for j, (t, s) in enumerate(zip(tokens[str(i)], scores[str(i)]))]
     return sum(diffs) / len(diffs), max(diffs)
+
+
+def _compiled_variants() -> int:
+    """Triton kernel variants compiled in this process so far, over headrace's kernel modules."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    from headrace import kernels
+
+    count = 0
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"headrace.kernels.{info.name}")
+        for fn in vars(module).values():
+            if isinstance(fn, triton.runtime.JITFunction):
+                count += sum(len(cache[0]) for cache in fn.device_caches.values())
+    return count
+
+
+def test_other_batch_sizes_compile_no_new_kernel_variant(checkpoint):
+    """Once requests have run to their ends (their last steps at one row), steps of another batch size,
+    sampled and with the same logprobs, compile no Triton kernel variant: the kernels launched outside
+    the CUDA graphs do not specialise on the counts that change with the batch (a compile mid-run
+    stalls every request for a fraction of a second)."""
+    llm = LLM(checkpoint("qwen3"), device="cuda", max_model_len=512)
+    vocab = llm.engine.model_config.vocab_size
+
+    def run(lengths, max_tokens, seed):
+        prompts = prompts_of_lengths(vocab, lengths, seed=seed)
+        params = [SamplingParams(temperature=0.8, max_tokens=m, logprobs=2, seed=i) for i, m in enumerate(max_tokens)]
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    run([5, 30, 61], [4, 8, 12], seed=31)  # decode steps of 3, 2 and 1 rows
+    before = _compiled_variants()
+    assert before > 0
+    outs = run([7 + 3 * i for i in range(16)], [6] * 16, seed=32)  # 16 rows, sampling 16 tokens a step
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert _compiled_variants() == before
