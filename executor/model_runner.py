@@ -1,7 +1,6 @@
 """The model runner: slots, staged writes, the model and the sampler, one step at a time."""
 from __future__ import annotations
 
-import atexit
 import functools
 import gc
 from collections.abc import Callable
@@ -27,11 +26,6 @@ from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
 from headrace.step import BeamCandidates, SchedulerOutput
-
-
-# An engine freezes the heap at its start (ModelRunner.__init__); at exit, one never closed leaves it to
-# the interpreter's last collection, as if it had never been frozen.
-atexit.register(gc.unfreeze)
 
 
 @dataclass
@@ -131,24 +125,17 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         if self.device.type != "cuda":
             self._build(model_cfg, sched_cfg, args, tp)
-        else:
-            with torch.cuda.device(self.device):
-                try:
-                    self._build(model_cfg, sched_cfg, args, tp)
-                except torch.OutOfMemoryError as e:
-                    self.close()
-                    free, total = torch.cuda.mem_get_info(self.device)
-                    raise ConfigError(
-                        f"{self.device} ({torch.cuda.get_device_name(self.device)}) ran out of memory while the "
-                        f"engine was starting ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free now): lower "
-                        f"max_model_len, max_num_seqs or max_num_batched_tokens, or use more GPUs "
-                        f"({str(e).splitlines()[0]})") from None
-        # What is alive now (torch, the model, the modules of this process) lives as long as the engine:
-        # frozen, the garbage collector's full collections skip it. Unfrozen, each walked those few
-        # hundred thousand objects and held the host 0.1-0.3 s while the GPU ran out of queued steps
-        # (benchmarks/RESULTS.md). Not collected first (a full collection here costs as much as one of
-        # those): cycles already garbage wait for close(), which unfreezes so that its collection frees them.
-        gc.freeze()
+            return
+        with torch.cuda.device(self.device):
+            try:
+                self._build(model_cfg, sched_cfg, args, tp)
+            except torch.OutOfMemoryError as e:
+                self.close()
+                free, total = torch.cuda.mem_get_info(self.device)
+                raise ConfigError(
+                    f"{self.device} ({torch.cuda.get_device_name(self.device)}) ran out of memory while the engine "
+                    f"was starting ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free now): lower max_model_len, "
+                    f"max_num_seqs or max_num_batched_tokens, or use more GPUs ({str(e).splitlines()[0]})") from None
 
     def _build(self, model_cfg: ModelConfig, sched_cfg: SchedulerConfig, args: EngineArgs, tp: TPGroup) -> None:
         self.closed = False
@@ -209,7 +196,6 @@ class ModelRunner:
         if self.closed:
             return
         self.closed = True
-        gc.unfreeze()  # into the oldest generation, collectable again (another engine here then runs unfrozen)
         self.model = self.graphs = self.bufs = self.kv = self.beam = None
         self.kv_caches = []
         if self.states is not None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import weakref
 
 import pytest
@@ -15,16 +14,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 def test_llm_shutdown_frees_the_executor_and_a_second_llm_runs(checkpoint):
     path = checkpoint("qwen3")
     llm = LLM(path, max_model_len=128)
-    assert gc.get_freeze_count() > 0  # the engine's start froze what was alive out of the collector's scans
     first = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     engine, runner = llm.engine, llm.engine.executor
     num_blocks = engine.cache_config.num_blocks
     held = [weakref.ref(t) for t in (runner.kv_caches[0], next(runner.model.parameters()),
                                      runner.states.token_ids.gpu, runner.states.sampling.temperature.gpu)]
     llm.shutdown()
-    # Gone while the test still holds the LLM, its engine and its runner; nothing is left frozen.
+    # Gone while the test still holds the LLM, its engine and its runner.
     assert [ref() for ref in held] == [None] * len(held)
-    assert gc.get_freeze_count() == 0
     assert runner.closed and runner.model is None and runner.graphs is None and not runner.kv_caches
     for call in (engine.step, lambda: engine.add_request("late", [5, 6], GREEDY, 0.0), lambda: engine.abort(["x"]),
                  lambda: runner.remove(["x"])):
