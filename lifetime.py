@@ -1,6 +1,8 @@
-"""Child processes that never outlive their parent, and noticing another process's exit at once."""
+"""Child processes that never outlive their parent, noticing another process's exit at once, and the
+heap of a process that serves one engine."""
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -44,3 +46,14 @@ def terminate(proc: subprocess.Popen, timeout: float) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait()
+
+
+def freeze_heap() -> None:
+    """For a process that serves one engine until it exits (a spawned core, a tensor-parallel worker),
+    once the engine is built: collect, then freeze what is alive (torch, the model, the imported modules)
+    out of the garbage collector's scans. A full collection otherwise walks those few hundred thousand
+    objects: in a long run of the community workload each held the host 0.1-0.3 s, the GPU idle meanwhile
+    (benchmarks/RESULTS.md). Not for a process that builds and drops engines (LLM, tests): an engine it
+    dropped into a garbage cycle after this ran would keep its memory until the process exits."""
+    gc.collect()  # garbage frozen would never be freed
+    gc.freeze()

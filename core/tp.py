@@ -33,6 +33,7 @@ from headrace.executor.all_reduce import NO_MULTICAST_ENV
 from headrace.step import SchedulerOutput
 from headrace.executor.workers import (Close, Collect, Execute, FromWorker, Init, Ready, Remove, StepResult, ToWorker,
                                        Worker, WorkerError, _Msg, unpack_result)
+from headrace.lifetime import freeze_heap
 
 
 class WorkerDied(RuntimeError):
@@ -184,6 +185,7 @@ def _serve(rank: int, size: int, directory: str) -> None:
     decoder, encoder = msgspec.msgpack.Decoder(ToWorker), msgspec.msgpack.Encoder()
     try:
         worker = Worker(decoder.decode(calls.recv()), rank, size, f"{directory}/rendezvous")
+        freeze_heap()  # this process serves this one rank until it exits
         replies.send(encoder.encode(worker.ready()))
         while True:
             msg = decoder.decode(calls.recv())

@@ -9,7 +9,7 @@ import sys
 from headrace import envs
 from headrace.config import EngineArgs
 from headrace.frontend.core_process import STARTUP_FAILED
-from headrace.lifetime import die_with_parent
+from headrace.lifetime import die_with_parent, freeze_heap
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -84,6 +84,7 @@ def _core(args: argparse.Namespace) -> int:
         raise
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
+    freeze_heap()  # this process serves this one engine until it exits
     # The first line names the address; tools read it (and the second, with metrics).
     print(f"headrace core: serving {engine_args.model} at {server.address}", flush=True)
     print(f"headrace core: weights {server.engine.quantization}", file=sys.stderr, flush=True)
