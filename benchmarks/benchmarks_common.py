@@ -233,6 +233,37 @@ class StepTimeline:
         return sum(wait for _, wait in self.spans()), wall / 1e3
 
 
+class GcPauses:
+    """The garbage collector's pauses in this process while attached (gc.callbacks), to tell a wait for
+    the host that a collection made from one that the engine's own work made."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds) per collection
+        self._start = 0.0
+
+    def _record(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+
+    def __enter__(self) -> GcPauses:
+        import gc
+
+        gc.callbacks.append(self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._record)
+
+    def summary(self) -> str:
+        full = [s for gen, s in self.pauses if gen == 2]
+        return (f"host GC {sum(s for _, s in self.pauses):.3f} s in {len(self.pauses)} collections, "
+                f"{len(full)} full (longest {1e3 * max(full, default=0.0):.1f} ms)")
+
+
 def gpu_busy(prof) -> tuple[float, float]:
     """(seconds some kernel or copy ran, seconds from the first one's start to
     the last one's end) in what a torch profiler recorded with CUDA activity:

@@ -16,7 +16,7 @@ matmul and attention FLOPs at the measured bf16 matmul rate
 (benchmarks_common.StepFloor: the LM head counts only for sampling rows).
 The run is made with overlapped scheduling and again one step at a time,
 with the GPU's idle time between steps from CUDA events around each queued
-step. The peer is transformers' generate_batch on the first --peer-requests
+step, and the garbage collector's pauses in the process over the run. The peer is transformers' generate_batch on the first --peer-requests
 requests (all with the same max_new_tokens, which generate_batch needs),
 run by both engines. --parts picks among those four runs (the overlapped
 one, one step at a time, the profiled windows of a rerun of the overlapped
@@ -39,8 +39,8 @@ import time
 
 import torch
 
-from benchmarks_common import (ScheduleRecorder, StepFloor, StepTimeline, by_rows, gpu_busy, measure_ceilings,
-                               qwen3_06b_checkpoint, workload)
+from benchmarks_common import (GcPauses, ScheduleRecorder, StepFloor, StepTimeline, by_rows, gpu_busy,
+                               measure_ceilings, qwen3_06b_checkpoint, workload)
 from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
 from headrace.sampling_params import SamplingParams
@@ -139,7 +139,8 @@ def main() -> None:
         core.async_scheduling = overlap
         rec = ScheduleRecorder(core)
         timeline.reset()
-        elapsed, out_tokens, _ = run_ours(core, prompts, max_tokens)
+        with GcPauses() as collections:
+            elapsed, out_tokens, _ = run_ours(core, prompts, max_tokens)
         torch.cuda.synchronize()  # the last step's end event (recorded after its outputs' event)
         idle, wall = timeline.idle()
         rec.detach()
@@ -148,7 +149,7 @@ def main() -> None:
         print(f"headrace ({'overlapped' if overlap else 'one step at a time'}): {out_tokens} output tokens in "
               f"{elapsed:.2f} s = {out_tokens / elapsed:.0f} tok/s; {rec.steps} steps; floor {floor:.2f} s = "
               f"{out_tokens / floor:.0f} tok/s; time / floor = {elapsed / floor:.2f}; "
-              f"GPU idle between steps {100 * idle / wall:.1f}% of {wall:.2f} s")
+              f"GPU idle between steps {100 * idle / wall:.1f}% of {wall:.2f} s; {collections.summary()}")
         if args.by_rows and overlap:
             print("\n".join("  " + line for line in by_rows(rec.per_step, timeline.spans(), step_floor)))
     core.async_scheduling = True

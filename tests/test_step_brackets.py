@@ -1,4 +1,5 @@
-"""benchmarks_common.by_rows, which splits a benchmark run's steps by batch rows (throughput.py --by-rows)."""
+"""benchmarks_common.by_rows, which splits a benchmark run's steps by batch rows (throughput.py --by-rows), and
+GcPauses, which times the garbage collector's pauses over a run."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from benchmarks_common import ScheduleRecorder, StepShape, by_rows  # noqa: E402
+from benchmarks_common import GcPauses, ScheduleRecorder, StepShape, by_rows  # noqa: E402
 
 
 class Floor:
@@ -61,3 +62,17 @@ def test_schedule_recorder_keeps_each_step_and_the_totals():
     assert (rec.steps, rec.tokens, rec.kv_tokens, rec.sampled_rows, rec.pairs) == (2, 6, 16, 3, 28)
     rec.detach()
     assert core.executor.execute is execute
+
+
+def test_gc_pauses_counts_the_collections_made_while_attached():
+    import gc
+
+    with GcPauses() as pauses:
+        gc.collect(0)
+        gc.collect()
+    gc.collect()  # detached: not counted
+    gens = [gen for gen, _ in pauses.pauses]  # an automatic young collection may come first
+    assert gens[-2:] == [0, 2] and gens.count(2) == 1
+    assert all(seconds >= 0 for _, seconds in pauses.pauses)
+    summary = pauses.summary()
+    assert summary.startswith("host GC ") and f" in {len(gens)} collections, 1 full (longest " in summary
