@@ -2,6 +2,7 @@
 heap of a process that serves one engine."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -54,6 +55,24 @@ def freeze_heap() -> None:
     out of the garbage collector's scans. A full collection otherwise walks those few hundred thousand
     objects: in a long run of the community workload each held the host 0.1-0.3 s, the GPU idle meanwhile
     (benchmarks/RESULTS.md). Not for a process that builds and drops engines (LLM, tests): an engine it
-    dropped into a garbage cycle after this ran would keep its memory until the process exits."""
+    dropped into a garbage cycle after this ran would keep its memory until the process exits; there,
+    heap_frozen() around the work."""
     gc.collect()  # garbage frozen would never be freed
     gc.freeze()
+
+
+@contextlib.contextmanager
+def heap_frozen():
+    """freeze_heap's effect for the length of a block, in a process that goes on afterwards (LLM.generate,
+    the benchmarks' in-process runs): what is alive at its start is frozen (without a collection: garbage
+    frozen here is freed after the block) and all of it unfrozen at its end, so nothing stays out of the
+    collector's reach. Where something already froze objects (this process's owner, or another block
+    still running), the block leaves the freezing to it."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

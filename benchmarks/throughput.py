@@ -16,7 +16,9 @@ matmul and attention FLOPs at the measured bf16 matmul rate
 (benchmarks_common.StepFloor: the LM head counts only for sampling rows).
 The run is made with overlapped scheduling and again one step at a time,
 with the GPU's idle time between steps from CUDA events around each queued
-step, and the garbage collector's pauses in the process over the run. The peer is transformers' generate_batch on the first --peer-requests
+step, and the garbage collector's pauses in the process over the run
+(the heap alive at a run's start frozen for the run, as LLM.generate does,
+and a spawned core for its whole life). The peer is transformers' generate_batch on the first --peer-requests
 requests (all with the same max_new_tokens, which generate_batch needs),
 run by both engines. --parts picks among those four runs (the overlapped
 one, one step at a time, the profiled windows of a rerun of the overlapped
@@ -43,6 +45,7 @@ from benchmarks_common import (GcPauses, ScheduleRecorder, StepFloor, StepTimeli
                                measure_ceilings, qwen3_06b_checkpoint, workload)
 from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
+from headrace.lifetime import heap_frozen
 from headrace.sampling_params import SamplingParams
 
 
@@ -139,7 +142,7 @@ def main() -> None:
         core.async_scheduling = overlap
         rec = ScheduleRecorder(core)
         timeline.reset()
-        with GcPauses() as collections:
+        with GcPauses() as collections, heap_frozen():  # as LLM.generate runs
             elapsed, out_tokens, _ = run_ours(core, prompts, max_tokens)
         torch.cuda.synchronize()  # the last step's end event (recorded after its outputs' event)
         idle, wall = timeline.idle()

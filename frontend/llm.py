@@ -21,6 +21,7 @@ from headrace.config import EngineArgs
 from headrace.core.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from headrace.frontend.async_engine import AsyncEngine, Prompt, new_event_loop
 from headrace.frontend.core_process import private_ipc_address, remove_private_ipc
+from headrace.lifetime import heap_frozen
 from headrace.metrics.exporter import MetricsServer, check_metrics_options
 from headrace.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -128,7 +129,8 @@ class LLM:
                 raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(sp).__name__}")
         inputs = [self._frontend.tokenize(p, i, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         final = [msgspec.structs.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
-        return self._call(self._run(inputs, final, use_tqdm))
+        with heap_frozen():  # full collections meanwhile skip torch, the model and the modules
+            return self._call(self._run(inputs, final, use_tqdm))
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

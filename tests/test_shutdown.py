@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import subprocess
 import sys
 import weakref
@@ -65,3 +66,22 @@ def test_freeze_heap_frees_garbage_cycles_before_it_freezes():
             "print(ref() is None, gc.get_freeze_count() > 1000)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "True"], out.stderr
+
+
+def test_generate_freezes_the_heap_only_while_it_runs(checkpoint, monkeypatch):
+    """LLM.generate freezes what is alive for its length (lifetime.heap_frozen), so full collections skip
+    torch and the model meanwhile, and unfreezes it all when it returns; a caller's own freeze is left as
+    it was."""
+    llm = LLM(checkpoint("qwen3"), max_model_len=64)
+    seen = []
+    call = llm._call
+    monkeypatch.setattr(llm, "_call", lambda coro: seen.append(gc.get_freeze_count()) or call(coro))
+    try:
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert seen[-1] > 1000 and gc.get_freeze_count() == 0
+        gc.freeze()  # the caller's own: generate leaves it frozen
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()
+        llm.shutdown()
