@@ -1,5 +1,5 @@
-"""Child processes that never outlive their parent, noticing another process's exit at once, and the
-heap of a process that serves one engine."""
+"""Child processes that never outlive their parent, noticing another process's exit at once, and keeping
+a process's long-lived heap out of the garbage collector's scans."""
 from __future__ import annotations
 
 import contextlib

@@ -16,9 +16,10 @@ matmul and attention FLOPs at the measured bf16 matmul rate
 (benchmarks_common.StepFloor: the LM head counts only for sampling rows).
 The run is made with overlapped scheduling and again one step at a time,
 with the GPU's idle time between steps from CUDA events around each queued
-step, and the garbage collector's pauses in the process over the run
-(the heap alive at a run's start frozen for the run, as LLM.generate does,
-and a spawned core for its whole life). The peer is transformers' generate_batch on the first --peer-requests
+step, and the garbage collector's pauses in the process over the run (the
+heap alive at a run's start is frozen for the run, as LLM.generate does it,
+and a spawned core for its whole life). The peer is transformers'
+generate_batch on the first --peer-requests
 requests (all with the same max_new_tokens, which generate_batch needs),
 run by both engines. --parts picks among those four runs (the overlapped
 one, one step at a time, the profiled windows of a rerun of the overlapped
