@@ -168,25 +168,14 @@ class ScheduleRecorder:
         core.executor.execute = recording
         self.detach = lambda: setattr(core.executor, "execute", execute)
 
-    @property
-    def steps(self) -> int:
-        return len(self.per_step)
+    def _total(self, field: str) -> int:
+        return sum(getattr(s, field) for s in self.per_step)
 
-    @property
-    def tokens(self) -> int:
-        return sum(s.tokens for s in self.per_step)
-
-    @property
-    def kv_tokens(self) -> int:
-        return sum(s.kv_tokens for s in self.per_step)
-
-    @property
-    def sampled_rows(self) -> int:
-        return sum(s.sampled_rows for s in self.per_step)
-
-    @property
-    def pairs(self) -> int:
-        return sum(s.pairs for s in self.per_step)
+    steps = property(lambda self: len(self.per_step))
+    tokens = property(lambda self: self._total("tokens"))
+    kv_tokens = property(lambda self: self._total("kv_tokens"))
+    sampled_rows = property(lambda self: self._total("sampled_rows"))
+    pairs = property(lambda self: self._total("pairs"))
 
 
 class StepTimeline:
