@@ -65,12 +65,12 @@ def freeze_heap() -> None:
 def heap_frozen():
     """freeze_heap's effect for the length of a block, in a process that goes on afterwards (LLM.generate,
     the benchmarks' in-process runs): what is alive at its start is frozen (without a collection: garbage
-    frozen here is freed after the block) and all of it unfrozen at its end, so nothing stays out of the
-    collector's reach. Where something already froze objects (this process's owner, or another block
-    still running), the block leaves the freezing to it."""
-    if gc.get_freeze_count():
-        yield
-        return
+    frozen here is freed after the block), and at its end the whole permanent generation is unfrozen, so
+    nothing stays out of the collector's reach. That includes what was frozen before the block, and the
+    block freezes whatever is frozen already: an interpreter may freeze some objects at startup (Python
+    3.12 on the GPU machine starts with 375), so a frozen count above zero does not mean the heap is
+    frozen. A caller that keeps its own heap frozen freezes again afterwards. Not nested: the inner
+    block's end would unfreeze the outer one's heap."""
     gc.freeze()
     try:
         yield

@@ -16,9 +16,10 @@ matmul and attention FLOPs at the measured bf16 matmul rate
 (benchmarks_common.StepFloor: the LM head counts only for sampling rows).
 The run is made with overlapped scheduling and again one step at a time,
 with the GPU's idle time between steps from CUDA events around each queued
-step, and the garbage collector's pauses in the process over the run (the
+step, the garbage collector's pauses in the process over the run (the
 heap alive at a run's start is frozen for the run, as LLM.generate does it,
-and a spawned core for its whole life). The peer is transformers'
+and a spawned core for its whole life), and the Triton kernel variants that
+were compiled or loaded from the cache during the run. The peer is transformers'
 generate_batch on the first --peer-requests
 requests (all with the same max_new_tokens, which generate_batch needs),
 run by both engines. --parts picks among those four runs (the overlapped
@@ -46,6 +47,7 @@ from benchmarks_common import (GcPauses, ScheduleRecorder, StepFloor, StepTimeli
                                measure_ceilings, qwen3_06b_checkpoint, workload)
 from headrace.config import EngineArgs
 from headrace.core.engine import EngineCore
+from headrace.kernels import compiled_variants
 from headrace.lifetime import heap_frozen
 from headrace.sampling_params import SamplingParams
 
@@ -143,8 +145,10 @@ def main() -> None:
         core.async_scheduling = overlap
         rec = ScheduleRecorder(core)
         timeline.reset()
+        variants = compiled_variants()
         with GcPauses() as collections, heap_frozen():  # as LLM.generate runs
             elapsed, out_tokens, _ = run_ours(core, prompts, max_tokens)
+        new_variants = {k: n - variants.get(k, 0) for k, n in compiled_variants().items() if n > variants.get(k, 0)}
         torch.cuda.synchronize()  # the last step's end event (recorded after its outputs' event)
         idle, wall = timeline.idle()
         rec.detach()
@@ -153,7 +157,8 @@ def main() -> None:
         print(f"headrace ({'overlapped' if overlap else 'one step at a time'}): {out_tokens} output tokens in "
               f"{elapsed:.2f} s = {out_tokens / elapsed:.0f} tok/s; {rec.steps} steps; floor {floor:.2f} s = "
               f"{out_tokens / floor:.0f} tok/s; time / floor = {elapsed / floor:.2f}; "
-              f"GPU idle between steps {100 * idle / wall:.1f}% of {wall:.2f} s; {collections.summary()}")
+              f"GPU idle between steps {100 * idle / wall:.1f}% of {wall:.2f} s; {collections.summary()}; "
+              f"Triton variants compiled mid-run: {new_variants or 'none'}")
         if args.by_rows and overlap:
             print("\n".join("  " + line for line in by_rows(rec.per_step, timeline.spans(), step_floor)))
     core.async_scheduling = True

@@ -11,6 +11,7 @@ import torch
 from headrace import LLM, AsyncEngine, SamplingParams
 from headrace.checkpoint.config import ModelConfig
 from headrace.executor.model_runner import kv_block_bytes
+from headrace.kernels import compiled_variants
 from tests.conftest import ARCHS, hf_greedy, hf_logprobs
 from tests.test_generate import LENGTHS, prompts_of_lengths
 
@@ -410,21 +411,6 @@ def _sampled_logprob_gaps(path, ref, prompts, extra: dict, layer: type) -> tuple
     return sum(diffs) / len(diffs), max(diffs)
 
 
-def _compiled_variants() -> int:
-    """Triton kernel variants compiled in this process so far, over headrace's kernel modules."""
-    import importlib
-    import pkgutil
-
-    import triton
-
-    from headrace import kernels
-
-    fns = {fn for info in pkgutil.iter_modules(kernels.__path__)  # a kernel another module imports, once
-           for fn in vars(importlib.import_module(f"headrace.kernels.{info.name}")).values()
-           if isinstance(fn, triton.runtime.JITFunction)}
-    return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
-
-
 def test_other_batch_sizes_compile_no_new_kernel_variant(checkpoint):
     """Once requests have run to their ends (their last steps at one row), steps of another batch size,
     sampled and with the same logprobs, compile no Triton kernel variant: the kernels launched outside
@@ -439,8 +425,8 @@ def test_other_batch_sizes_compile_no_new_kernel_variant(checkpoint):
         return llm.generate(prompts, params, use_tqdm=False)
 
     run([5, 30, 61], [4, 8, 12], seed=31)  # decode steps of 3, 2 and 1 rows
-    before = _compiled_variants()
-    assert before > 0
+    before = compiled_variants()
+    assert before
     outs = run([7 + 3 * i for i in range(16)], [6] * 16, seed=32)  # 16 rows, sampling 16 tokens a step
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
-    assert _compiled_variants() == before
+    assert compiled_variants() == before
