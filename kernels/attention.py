@@ -166,15 +166,20 @@ def _attend_tile(
     slot_off,  # [BLOCK_N] int64: _tile_slots of this tile
     k_base, v_base, offs_d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
-    """One tile of keys added to the running statistics."""
+    """One tile of keys added to the running statistics. Without MASKED every key of the tile is below
+    key_hi and at or before every row's position: nothing is masked."""
     k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k_valid = k_pos < key_hi
     kv_mask = k_valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
+    if not MASKED:
+        kv_mask = d_mask[None, :]
     k = tl.load(k_base + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [M, BLOCK_N]
-    causal = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-    qk = tl.where(causal, qk, float("-inf"))
+    if MASKED:
+        causal = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     p = tl.exp2(qk - m_new[:, None])  # [M, BLOCK_N]
     alpha = tl.exp2(m_i - m_new)
@@ -197,24 +202,25 @@ def _attend_keys(
     offs_d, d_mask,  # [BLOCK_D]
     qk_scale,  # scale * log2(e)
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    IDS_AHEAD: tl.constexpr,
+    IDS_AHEAD: tl.constexpr, MASKED: tl.constexpr = True,
 ):
     """Each tile reads its block ids, then its keys; with IDS_AHEAD each tile reads the next tile's ids
     before its own keys, so no key load waits on an id load (faster at one or two tiles a program, slower
-    over many: benchmarks/RESULTS.md)."""
+    over many: benchmarks/RESULTS.md). Without MASKED the keys are whole tiles that every row sees
+    (_attend_tile)."""
     if IDS_AHEAD:
         slot_off = first_off
         for start in range(key_lo, key_hi, BLOCK_N):
             next_off = _tile_slots(block_table_ptr, start + BLOCK_N, key_hi, stride_c_blk, stride_c_slot,
                                    BLOCK_SIZE, BLOCK_N)
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start, key_hi, slot_off, k_base, v_base, offs_d,
-                                         d_mask, qk_scale, BLOCK_N, DOT_PRECISION, UPCAST_DOT)
+                                         d_mask, qk_scale, BLOCK_N, DOT_PRECISION, UPCAST_DOT, MASKED)
             slot_off = next_off
     else:
         for start in range(key_lo, key_hi, BLOCK_N):
             slot_off = _tile_slots(block_table_ptr, start, key_hi, stride_c_blk, stride_c_slot, BLOCK_SIZE, BLOCK_N)
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, start, key_hi, slot_off, k_base, v_base, offs_d,
-                                         d_mask, qk_scale, BLOCK_N, DOT_PRECISION, UPCAST_DOT)
+                                         d_mask, qk_scale, BLOCK_N, DOT_PRECISION, UPCAST_DOT, MASKED)
     return acc, m_i, l_i
 
 
@@ -299,11 +305,19 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # Keys past the block's last query are above the diagonal for every row: never read.
+    # Keys past the block's last query are above the diagonal for every row: never read. Whole tiles
+    # before its first query are seen by every row: visited without masks, then the rest with them.
     key_hi = context + tl.minimum(num_q, (q_block + 1) * BLOCK_Q)
+    open_hi = (context + q_block * BLOCK_Q) // BLOCK_N * BLOCK_N
+    q = q.to(cache_ptr.dtype.element_ty)
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q.to(cache_ptr.dtype.element_ty), context + tok, 0, key_hi,
-        block_tables_ptr + req.to(tl.int64) * stride_bt, 0, k_base, k_base + stride_c_kv,
+        acc, m_i, l_i, q, context + tok, 0, open_hi, bt_row, 0, k_base, k_base + stride_c_kv,
+        stride_c_blk, stride_c_slot, offs_d, d_mask, qk_scale,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT, False, False,  # IDS_AHEAD, MASKED
+    )
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, context + tok, open_hi, key_hi, bt_row, 0, k_base, k_base + stride_c_kv,
         stride_c_blk, stride_c_slot, offs_d, d_mask, qk_scale,
         BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT, False,
     )
@@ -485,26 +499,54 @@ def paged_attention(
     # to the decode kernel unless use_decode_kernel is off (its tile is sized
     # for one query, where the general kernel's is sized for max_query_len).
     if max_query_len > 1 or not use_decode_kernel:
-        common, cache_args = _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads)
-        group_pad = triton.next_power_of_2(common["GROUP"])
-        wide = kv_cache.element_size() <= 2 and common["BLOCK_D"] <= 128  # a 128-row tile fits shared memory
-        block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
-        block_m = max(block_m, group_pad)
-        grid = (num_tokens // (block_m // group_pad) + num_reqs, kv_cache.shape[3])
-        _paged_attention_kernel[grid](
-            q, q.stride(0), q.stride(1),
-            out, out.stride(0), out.stride(1),
-            *cache_args,
-            query_start_loc, seq_lens,
-            block_tables, block_tables.stride(0),
-            num_reqs, head_dim, scale * _LOG2E,
-            GROUP_PAD=group_pad, BLOCK_M=block_m, SKIP_SINGLE=use_decode_kernel,
-            num_warps=8 if block_m == 128 else 4, **common,
-        )
+        launch_prefill(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len,
+                       skip_single=use_decode_kernel)
     if use_decode_kernel:
         launch_decode(q, q.stride(1), out, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len,
                       num_splits, ids_ahead=ids_ahead, order=order)
     return out
+
+
+def prefill_config(head_dim: int, group_pad: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """The general kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M rows of (query token, head
+    of the group) hold enough for max_query_len tokens, up to 64: on an H100 with Qwen3-0.6B's 2-head
+    groups, 64 rows of 4 warps over 64-key tiles, 2 stages deep, were the fastest of a grid of 24 on every
+    prompt mix measured (benchmarks/prefill_attention.py; 22% faster than 128 rows of 8 warps, 3 stages,
+    on a mixed step's prompts)."""
+    block_m = max(group_pad, min(64, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad))))
+    return block_m, 64 if head_dim <= 128 else 32, 4, 2
+
+
+def launch_prefill(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: written at the rows of more than one query
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    skip_single: bool = True,  # leave single-query rows to the decode kernel
+    config: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, warps, stages); None: prefill_config
+) -> None:
+    """The general (flash attention) kernel over the rows with more than one query, or every row."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs = seq_lens.shape[0]
+    common, cache_args = _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads)
+    group_pad = triton.next_power_of_2(common["GROUP"])
+    block_m, block_n, warps, stages = config or prefill_config(head_dim, group_pad, max_query_len)
+    assert block_m >= group_pad
+    grid = (num_tokens // (block_m // group_pad) + num_reqs, kv_cache.shape[3])
+    _paged_attention_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        out, out.stride(0), out.stride(1),
+        *cache_args,
+        query_start_loc, seq_lens,
+        block_tables, block_tables.stride(0),
+        num_reqs, head_dim, scale * _LOG2E,
+        GROUP_PAD=group_pad, BLOCK_M=block_m, SKIP_SINGLE=skip_single,
+        num_warps=warps, num_stages=stages, **{**common, "BLOCK_N": block_n},
+    )
 
 
 def _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads) -> tuple[dict, tuple]:

@@ -157,6 +157,26 @@ def test_paged_attention_wide_heads_big_blocks(poisoned, dtype):
     torch.testing.assert_close(out.float(), want.float(), **_tol(dtype))
 
 
+@pytest.mark.parametrize("config", [(64, 32, 4, 2), (128, 128, 8, 2), (16, 16, 4, 3)])
+def test_prefill_kernel_under_other_tiles(poisoned, config):
+    """The general kernel under other (BLOCK_M, BLOCK_N, warps, stages) than it picks (benchmarks sweep
+    them): query blocks that start past whole key tiles (visited without masks) and ones that do not,
+    chunks over cached prefixes, a block size that does not divide the key tile."""
+    from headrace.kernels.attention import launch_prefill
+
+    reqs = [(0, 70), (130, 7), (16, 40), (90, 33), (0, 1)]
+    q, kv_cache, qsl, seq_lens, block_tables, _ = _batch(reqs, 4, 8, 2, 32, torch.bfloat16, seed=sum(config))
+    ref = paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, 0.2)
+
+    def dev(x):
+        return torch.tensor(x, dtype=torch.int32, device=DEVICE)
+
+    out = torch.full_like(q, float("nan")).to(DEVICE)
+    launch_prefill(q.to(DEVICE), out, kv_cache.to(DEVICE), dev(qsl), dev(seq_lens), block_tables.to(DEVICE), 0.2,
+                   70, skip_single=False, config=config)
+    torch.testing.assert_close(out.cpu().float(), ref.float(), **_tol(torch.bfloat16))
+
+
 def test_paged_attention_split_is_chosen_for_long_contexts():
     from headrace.kernels.attention import _decode_num_splits
 
