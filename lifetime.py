@@ -67,9 +67,9 @@ def heap_frozen():
     the benchmarks' in-process runs): what is alive at its start is frozen (without a collection: garbage
     frozen here is freed after the block), and at its end the whole permanent generation is unfrozen, so
     nothing stays out of the collector's reach. That includes what was frozen before the block, and the
-    block freezes whatever is frozen already: an interpreter may freeze some objects at startup (Python
-    3.12 on the GPU machine starts with 375), so a frozen count above zero does not mean the heap is
-    frozen. A caller that keeps its own heap frozen freezes again afterwards. Not nested: the inner
+    block freezes whatever is frozen already: an interpreter may freeze some objects at startup (a
+    Python 3.12.3 build was seen starting with 375), so a frozen count above zero does not mean the heap
+    is frozen. A caller that keeps its own heap frozen freezes again afterwards. Not nested: the inner
     block's end would unfreeze the outer one's heap."""
     gc.freeze()
     try:

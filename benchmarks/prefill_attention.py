@@ -5,15 +5,16 @@ flash attention, on the prompts of a mixed step.
                                             [--configs BM,BN,W,S;...] [--sweep]
 
 By default Qwen3-0.6B's attention shape (16 query heads, 8 KV heads; --heads 32,8 is Qwen3-8B's),
-head_dim 128, bf16, 16-token blocks scattered through the pool. Cases: NxL is N fresh prompts of L tokens; chunk is a 2048-token chunk
-over a 2048-token cached prefix; mixed is the community workload's prompts (100 to 1024 tokens, seed
-0) up to 8192 tokens, as one of its mixed steps holds. The floor is the causal product's FLOPs (each
-query against the keys up to its own, two matmuls) at the bf16 matmul rate measured in this run. The
-peer is torch's scaled_dot_product_attention on the flash backend over contiguous per-request tensors
-(the KV heads repeated beforehand, outside the timing; one call per request length), where it applies:
-a chunk over a cached prefix is not a square causal product. Microseconds per call, from CUDA-graph
-replays over enough copies of the inputs that they do not stay in L2. --configs adds the kernel under
-those (BLOCK_M, BLOCK_N, warps, stages), --sweep under each of a grid, fastest first.
+head_dim 128, bf16, 16-token blocks scattered through the pool. Cases: NxL is N fresh prompts of L
+tokens; chunk is a 2048-token chunk over a 2048-token cached prefix; mixed is the community workload's
+prompts (100 to 1024 tokens, seed 0) up to 8192 tokens, as one of its mixed steps holds. The floor is
+the causal product's FLOPs (each query against the keys up to its own, two matmuls) at the bf16 matmul
+rate measured in this run. The peer is torch's scaled_dot_product_attention on the flash backend over
+contiguous per-request tensors (the KV heads repeated beforehand, outside the timing; one call per
+distinct prompt length, the case's time their sum), where it applies: a chunk over a cached prefix is
+not a square causal product. Microseconds per call, from CUDA-graph replays over enough copies of the
+inputs that they do not stay in L2. --configs adds the kernel under those (BLOCK_M, BLOCK_N, warps,
+stages), --sweep under each of a grid; the five fastest are printed.
 """
 from __future__ import annotations
 

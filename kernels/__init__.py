@@ -17,5 +17,6 @@ def compiled_variants() -> dict[str, int]:
     fns = {fn for info in pkgutil.iter_modules(kernels.__path__)
            for fn in vars(importlib.import_module(f"headrace.kernels.{info.name}")).values()
            if isinstance(fn, triton.runtime.JITFunction)}
-    counts = {f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}": sum(len(cache[0]) for cache in fn.device_caches.values()) for fn in fns}
+    counts = {f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}":
+              sum(len(cache[0]) for cache in fn.device_caches.values()) for fn in fns}
     return {name: n for name, n in sorted(counts.items()) if n}

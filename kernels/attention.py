@@ -174,7 +174,7 @@ def _attend_tile(
     k_valid = k_pos < key_hi
     kv_mask = k_valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
     if not MASKED:
-        kv_mask = d_mask[None, :]
+        kv_mask = d_mask[None, :]  # [1, BLOCK_D]
     k = tl.load(k_base + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [M, BLOCK_N]
     if MASKED:
@@ -511,8 +511,8 @@ def prefill_config(head_dim: int, group_pad: int, max_query_len: int) -> tuple[i
     """The general kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M rows of (query token, head
     of the group) hold enough for max_query_len tokens, up to 64: on an H100 with Qwen3-0.6B's 2-head
     groups, 64 rows of 4 warps over 64-key tiles, 2 stages deep, were the fastest of a grid of 24 on every
-    prompt mix measured (benchmarks/prefill_attention.py; 22% faster than 128 rows of 8 warps, 3 stages,
-    on a mixed step's prompts)."""
+    prompt mix measured (benchmarks/prefill_attention.py), and 8-16% faster than 128 rows of 8 warps, 3
+    stages, there and with Qwen3-8B's 4-head groups."""
     block_m = max(group_pad, min(64, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad))))
     return block_m, 64 if head_dim <= 128 else 32, 4, 2
 
