@@ -12,10 +12,8 @@ def compiled_variants() -> dict[str, int]:
 
     import triton
 
-    from headrace import kernels
-
-    fns = {fn for info in pkgutil.iter_modules(kernels.__path__)
-           for fn in vars(importlib.import_module(f"headrace.kernels.{info.name}")).values()
+    fns = {fn for info in pkgutil.iter_modules(__path__)
+           for fn in vars(importlib.import_module(f"{__name__}.{info.name}")).values()
            if isinstance(fn, triton.runtime.JITFunction)}
     counts = {f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}":
               sum(len(cache[0]) for cache in fn.device_caches.values()) for fn in fns}
