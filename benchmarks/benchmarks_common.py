@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -237,14 +238,10 @@ class GcPauses:
             self.pauses.append((info["generation"], time.perf_counter() - self._start))
 
     def __enter__(self) -> GcPauses:
-        import gc
-
         gc.callbacks.append(self._record)
         return self
 
     def __exit__(self, *exc) -> None:
-        import gc
-
         gc.callbacks.remove(self._record)
 
     def summary(self) -> str:

@@ -488,7 +488,7 @@ def paged_attention(
     others to the general (flash attention) kernel; each kernel skips the
     other's rows on the device, and a max_query_len of 1 launches only the
     decode kernel."""
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, _, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
     assert q.stride(2) == 1 and kv_cache.shape[4] == head_dim
     out = torch.empty_like(q)
