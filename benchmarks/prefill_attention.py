@@ -44,7 +44,9 @@ def requests(case: str) -> list[tuple[int, int]]:
             if sum(r[1] for r in reqs) + n > 8192:
                 return reqs
             reqs.append((0, n))
-    n, length = map(int, case.split("x"))
+    n, length = map(int, case.split("x"))  # ValueError unless NxL
+    if n < 1 or length < 2:
+        raise ValueError(case)
     return [(0, length)] * n
 
 
@@ -97,14 +99,20 @@ def main() -> None:
     parser.add_argument("--configs", default="", help="BLOCK_M,BLOCK_N,warps,stages;... to time the kernel under too")
     parser.add_argument("--sweep", action="store_true", help="the kernel under every config of a grid too")
     args = parser.parse_args()
-    heads, kv_heads = map(int, args.heads.split(","))
-    configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";") if c] + (SWEEP if args.sweep else [])
+    try:
+        heads, kv_heads = map(int, args.heads.split(","))
+        configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";") if c]
+        cases = {case: requests(case) for case in args.cases.split(",")}
+    except ValueError:
+        parser.error("--heads takes Q,KV; --configs BM,BN,W,S;...; --cases NxL, chunk or mixed, comma-separated")
+    if heads < 1 or kv_heads < 1 or heads % kv_heads or any(len(c) != 4 for c in configs):
+        parser.error("--heads needs query heads a multiple of the KV heads; each --configs entry has four numbers")
+    configs += SWEEP if args.sweep else []
     _, rate = measure_ceilings(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     scale = HEAD_DIM**-0.5
     print(f"{torch.cuda.get_device_name()}: bf16 matmul {rate / 1e12:.0f} TFLOP/s; us a call (x floor)")
-    for case in args.cases.split(","):
-        reqs = requests(case)
+    for case, reqs in cases.items():
         kv_bytes = 2 * sum(c + n for c, n in reqs) * kv_heads * HEAD_DIM * 2
         sets = [inputs(reqs, heads, kv_heads, gen) for _ in range(max(2, -(-2 * L2_BYTES // kv_bytes)))]
         max_q, max_seq = max(n for _, n in reqs), max(c + n for c, n in reqs)
