@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from headrace.kernels.attention import paged_attention_ref, write_kv_ref
-from headrace.kernels.sampling import gumbel_from_bits_ref, gumbel_ref, uniform_ref
+from headrace.kernels.sampling import gumbel_from_bits_ref, gumbel_sample_ref, uniform_ref
 
 
 def dense_causal_attention(q, k, v, scale):
@@ -105,13 +105,17 @@ def test_gumbel_noise_float32_against_float64():
     assert got.max() > 22.8 and got.min() < -3.0  # the two ends are reached
 
 
-def test_gumbel_max_samples_softmax():
+@pytest.mark.parametrize("temperature", [None, 0.45, 1.7])
+def test_gumbel_max_samples_softmax(temperature):
+    """gumbel_sample_ref's draws, one per seed, follow softmax(logits / temperature)."""
     torch.manual_seed(0)
     logits = torch.randn(12) * 1.5
     n = 40000
-    noise = gumbel_ref(torch.arange(n, dtype=torch.int64), torch.full((n,), 5, dtype=torch.int64), 12)
-    counts = torch.bincount((logits[None] + noise).argmax(-1), minlength=12).double()
-    expected = logits.softmax(-1).double() * n
+    seeds, positions = torch.arange(n, dtype=torch.int64), torch.full((n,), 5, dtype=torch.int64)
+    temps = None if temperature is None else torch.full((n,), temperature)
+    samples = gumbel_sample_ref(logits.expand(n, 12), seeds, positions, temps)
+    counts = torch.bincount(samples, minlength=12).double()
+    expected = (logits / (temperature or 1.0)).softmax(-1).double() * n
     chi2 = (((counts - expected) ** 2) / expected).sum().item()
     assert chi2 < 35  # 11 degrees of freedom, p ~ 0.0003
 

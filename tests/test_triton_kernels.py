@@ -196,7 +196,10 @@ def test_gumbel_noise_matches_reference():
     want = gumbel_from_bits_ref(bits)
     got = gumbel_from_bits(bits.to(DEVICE)).cpu()
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=4e-7, atol=4e-7)
+    # on the GPU the base-2 logs are lg2.approx's (two float32 ulps): 4.1e-7 from float64 at most, where the
+    # reference's torch.log2 gives 2.7e-7 (an H100, 4 million bits)
+    tol = 6e-7 if DEVICE == "cuda" else 4e-7
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 # Sampled tokens must equal the reference's unless the reference's top two
@@ -221,12 +224,12 @@ def test_gumbel_sample(rows, vocab, with_temperature, poisoned_empty):
     positions = torch.randint(0, 2**20, (rows,), generator=g)
 
     args = [logits, seeds, positions]
-    if with_temperature:  # the kernel scales the logits itself, rounding as torch's division does
+    if with_temperature:  # the kernel scales each row's noise by its temperature
         args.append(torch.rand(rows, generator=g) * 1.7 + 0.3)
     want = gumbel_sample_ref(*args)
     got = gumbel_sample(*(t.to(DEVICE) for t in args)).cpu()
     assert got.dtype == torch.int64 and got.shape == (rows,)
-    values = (logits / args[3][:, None] if with_temperature else logits) + gumbel_ref(seeds, positions, vocab)
+    values = logits + (args[3][:, None] if with_temperature else 1.0) * gumbel_ref(seeds, positions, vocab)
     top2 = values.topk(min(2, vocab), dim=-1).values
     near_tie = (top2[:, 0] - top2[:, -1]) <= _NEAR_TIE * top2[:, 0].abs().clamp(min=1.0)
     near_tie &= vocab > 1
