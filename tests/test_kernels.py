@@ -9,6 +9,8 @@ import torch
 from headrace.kernels.attention import paged_attention_ref, write_kv_ref
 from headrace.kernels.sampling import gumbel_from_bits_ref, gumbel_sample_ref, uniform_ref
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the logit-bias kernel: on a GPU, or the interpreter
+
 
 def dense_causal_attention(q, k, v, scale):
     """q: [q_len, H, D] for the last q_len of k/v's [L, Hkv, D]; float64 reference."""
@@ -130,10 +132,10 @@ def test_logit_bias_kernel_matches_reference(rows, slots, max_bias, vocab):
     ids = torch.stack([torch.randperm(vocab, generator=g)[:max_bias] for _ in range(slots)])
     values = torch.randn(slots, max_bias, generator=g) * 10
     base = torch.randn(rows, vocab, generator=g)
-    ref, logits = base.clone(), base.clone()
+    ref, logits = base.clone(), base.clone().to(DEVICE)
     apply_logit_bias_ref(ref, idx, ids, values, num)
-    apply_logit_bias(logits, idx, ids, values, num)
-    torch.testing.assert_close(logits, ref)
+    apply_logit_bias(logits, *(t.to(DEVICE) for t in (idx, ids, values, num)))
+    torch.testing.assert_close(logits.cpu(), ref)
     plain = base.clone()  # the reference itself against a plain loop
     for r in range(rows):
         s = int(idx[r])
