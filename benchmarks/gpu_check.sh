@@ -25,6 +25,7 @@
 #   quantized   benchmarks/quantized.py $QUANTIZED_ARGS (bf16, fp8, int4 on the Qwen3-8B shape; its gguf part: as gguf)
 #   attention   benchmarks/decode_attention.py (the decode attention kernel by split count)
 #   pattention  benchmarks/prefill_attention.py --sweep (the prefill attention kernel by tile, beside torch's flash)
+#   sampling    benchmarks/sampling_kernel.py (the Gumbel sampling kernel against the logits' bytes and torch's sampler)
 #   dense       benchmarks/dense_kernel.py (few-row projections with their norm and activation, against cuBLAS)
 #   startup     benchmarks/startup.py $STARTUP_ARGS (LLM, AsyncEngine.from_model and headrace serve: spawn to
 #               ready, with the core's phases; needs the http wheels for serve)
@@ -83,6 +84,7 @@ for stage in "$@"; do
     quantized) python3 benchmarks/quantized.py ${QUANTIZED_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/quantized.log" ;;
     attention) python3 benchmarks/decode_attention.py 2>&1 | tee "$out/decode_attention.log" ;;
     pattention) python3 benchmarks/prefill_attention.py --sweep 2>&1 | grep -v -i warn | tee "$out/prefill_attention.log" ;;
+    sampling) python3 benchmarks/sampling_kernel.py 2>&1 | grep -v -i warn | tee "$out/sampling_kernel.log" ;;
     dense) python3 benchmarks/dense_kernel.py ${DENSE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/dense_kernel.log" ;;
     single) python3 benchmarks/single_stream.py ${SINGLE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/single_stream.log" ;;
     startup) python3 benchmarks/startup.py ${STARTUP_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/startup.log" ;;
