@@ -482,6 +482,7 @@ def paged_attention(
     use_decode_kernel: bool = True,  # False: every row through the general kernel (tests, benchmarks)
     ids_ahead: bool | None = None,  # the decode kernel's block-id reads (_attend_keys); None picks from the shapes
     order: torch.Tensor | None = None,  # [num_reqs] int32: the decode kernel's request order; None: batch order
+    decode_launch: tuple[int, int, int] | None = None,  # the decode kernel's (warps, stages, BLOCK_N); None: picked
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
     """Triton version of paged_attention_ref, with no host sync: the bounds
     are host ints. Single-query rows go to the split-K decode kernel, the
@@ -503,7 +504,7 @@ def paged_attention(
                        skip_single=use_decode_kernel)
     if use_decode_kernel:
         launch_decode(q, q.stride(1), out, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_seq_len,
-                      num_splits, ids_ahead=ids_ahead, order=order)
+                      num_splits, ids_ahead=ids_ahead, order=order, config=decode_launch)
     return out
 
 
@@ -567,6 +568,12 @@ def _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads
     return common, (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
 
 
+def decode_config(head_dim: int, pairs: int) -> tuple[int, int, int]:
+    """The decode kernel's (num_warps, num_stages, BLOCK_N) for `pairs` (request, KV head) programs a split:
+    4 warps, 3 stages, 64-key tiles (32 above head_dim 128)."""
+    return 4, 3, 64 if head_dim <= 128 else 32
+
+
 def launch_decode(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], or with rope the q|k|v projection
     stride_qh: int,  # elements from one q head to the next (head_dim in the q|k|v projection)
@@ -581,6 +588,7 @@ def launch_decode(
     rope: tuple | None = None,  # (positions, cos_sin, q_weight, k_weight, eps, slot_mapping): kernels/qkv.py's
     ids_ahead: bool | None = None,  # as paged_attention's
     order: torch.Tensor | None = None,  # [num_reqs] int32, a permutation of the rows: the order programs start in
+    config: tuple[int, int, int] | None = None,  # (warps, stages, BLOCK_N); None: decode_config
 ) -> None:
     """The decode kernel (and its reduce, with split-K) over the single-query
     rows. With rope, q is the q|k|v projection and the kernel also does
@@ -590,6 +598,7 @@ def launch_decode(
     assert kv_cache.shape[4] == head_dim
     common, cache_args = _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads)
     block_d = common["BLOCK_D"]
+    warps, stages, block_n = config or decode_config(head_dim, num_reqs * num_kv_heads)
     if num_splits is None:
         num_splits = _decode_num_splits(q.device, num_reqs, num_kv_heads, max_seq_len)
     assert num_splits >= 1
@@ -622,7 +631,7 @@ def launch_decode(
         GROUP_M=max(16, triton.next_power_of_2(common["GROUP"])), SPLIT=split, ROPE=rope is not None,
         NORM=rope is not None and q_weight is not None,
         IDS_AHEAD=num_reqs * num_kv_heads <= _IDS_AHEAD_PAIRS if ids_ahead is None else ids_ahead,
-        ORDERED=order is not None, num_warps=4, **common,
+        ORDERED=order is not None, num_warps=warps, num_stages=stages, **{**common, "BLOCK_N": block_n},
     )
     if split:
         _paged_decode_reduce_kernel[(num_reqs, num_heads)](

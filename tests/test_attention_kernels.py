@@ -177,6 +177,18 @@ def test_prefill_kernel_under_other_tiles(poisoned, config):
     torch.testing.assert_close(out.cpu().float(), ref.float(), **_tol(torch.bfloat16))
 
 
+@pytest.mark.parametrize("config", [(2, 2, 32), (8, 4, 128), (4, 1, 16)])
+def test_decode_kernel_under_other_launches(poisoned, config):
+    """The decode kernel under other (warps, stages, BLOCK_N) than decode_config's (benchmarks compare them),
+    key tiles larger and smaller than a block, with and without split-K and in the engine's order."""
+    q, kv_cache, qsl, seq_lens, block_tables, _ = _batch(DECODE, 16, 8, 2, 64, torch.bfloat16, seed=sum(config))
+    ref = paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, 0.125)
+    longest = torch.tensor(sorted(range(len(seq_lens)), key=lambda r: -seq_lens[r]), dtype=torch.int32, device=DEVICE)
+    for kw in [dict(num_splits=1), dict(num_splits=3), dict(order=longest)]:
+        out = _run(q, kv_cache, qsl, seq_lens, block_tables, 0.125, 1, max(seq_lens), decode_launch=config, **kw)
+        torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.bfloat16), msg=lambda m: f"{kw}: {m}")
+
+
 def test_paged_attention_split_is_chosen_for_long_contexts():
     from headrace.kernels.attention import _decode_num_splits
 
