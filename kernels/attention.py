@@ -58,7 +58,7 @@ def paged_attention_ref(
 def _attend(q, kv_cache, block_tables, seq_lens, max_len: int, scale: float) -> torch.Tensor:
     """q [rows, num_q, heads, dim], each row's queries being the last num_q
     positions of its sequence; keys past a row's seq_len are masked."""
-    num_heads, head_dim = q.shape[2], q.shape[3]
+    num_heads = q.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_blocks = -(-max_len // block_size)
     blocks = block_tables[:, :num_blocks].long()  # [rows, num_blocks]
