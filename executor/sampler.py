@@ -86,7 +86,7 @@ def sample(
         if _has_filters(slots, st):
             final = _apply_filters(processed.float() / _scale(st, idx)[:, None], slots, idx, st)
             sampled = dispatch.gumbel_sample(final, st.seed.gpu, positions, rows=idx)
-        else:  # the kernel reads each row's seed and temperature by slot and scales as it reads the logits
+        else:  # the kernel reads each row's seed and temperature by slot and scales the row's noise
             sampled = dispatch.gumbel_sample(processed, st.seed.gpu, positions, st.temperature.gpu, rows=idx)
             if wants_logprobs.any() and st.processed.np[slots].any():  # read by _logprobs
                 final = processed.float() / _scale(st, idx)[:, None]

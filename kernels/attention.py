@@ -568,9 +568,10 @@ def _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads
     return common, (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
 
 
-def decode_config(head_dim: int, pairs: int) -> tuple[int, int, int]:
-    """The decode kernel's (num_warps, num_stages, BLOCK_N) for `pairs` (request, KV head) programs a split:
-    4 warps, 3 stages, 64-key tiles (32 above head_dim 128)."""
+def decode_config(head_dim: int) -> tuple[int, int, int]:
+    """The decode kernel's (num_warps, num_stages, BLOCK_N): 4 warps, 3 stages, 64-key tiles (32 above
+    head_dim 128). On an H100 no other launch of a grid of nine was faster across 8-256 requests of Qwen3-0.6B's
+    heads (benchmarks/decode_attention.py --configs)."""
     return 4, 3, 64 if head_dim <= 128 else 32
 
 
@@ -598,7 +599,7 @@ def launch_decode(
     assert kv_cache.shape[4] == head_dim
     common, cache_args = _launch_args(q, kv_cache, query_start_loc, seq_lens, block_tables, num_heads)
     block_d = common["BLOCK_D"]
-    warps, stages, block_n = config or decode_config(head_dim, num_reqs * num_kv_heads)
+    warps, stages, block_n = config or decode_config(head_dim)
     if num_splits is None:
         num_splits = _decode_num_splits(q.device, num_reqs, num_kv_heads, max_seq_len)
     assert num_splits >= 1

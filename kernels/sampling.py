@@ -13,8 +13,8 @@ exponential draw -log(u) is -ln2 * log2(u) for b < 2**31, and for the upper
 half, where u is near 1, the atanh series of -log1p(-t) in t = 1 - u, exact
 in float32; the noise is -ln2 * log2 of that draw. On the GPU the base-2
 logarithm is the hardware's approximate one (lg2.approx, about two float32
-ulps), which takes the sampling kernel to about half the time of torch's
-log; under the interpreter it is tl.log2.
+ulps): on an H100 the kernel takes 0.6 of the time it took with the
+precise natural log. Under the interpreter it is tl.log2.
 
 A sample is argmax(logits + temperature * noise): the same draw from
 softmax(logits / temperature) as argmax(logits / temperature + noise),
