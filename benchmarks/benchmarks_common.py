@@ -273,6 +273,22 @@ def gpu_busy(prof) -> tuple[float, float]:
     return busy / 1e6, (hi - first) / 1e6
 
 
+def heads_and_configs(parser, heads: str, configs: str, form: str) -> tuple[int, int, list[tuple[int, ...]]]:
+    """(query heads, KV heads, launch configs) from a kernel benchmark's --heads Q,KV and --configs
+    A,B,...;... (form names one entry's fields, comma-separated: each needs that many positive numbers).
+    A malformed value ends the run through parser.error, naming the forms."""
+    width = len(form.split(","))
+    try:
+        q_heads, kv_heads = map(int, heads.split(","))
+        launches = [tuple(map(int, c.split(","))) for c in configs.split(";") if c]
+    except ValueError:
+        parser.error(f"--heads takes Q,KV and --configs {form}[;...], got {heads!r} and {configs!r}")
+    if q_heads < 1 or kv_heads < 1 or q_heads % kv_heads or any(len(c) != width or min(c) < 1 for c in launches):
+        parser.error(f"--heads needs positive query heads, a multiple of the KV heads; each --configs entry is "
+                     f"{form}, all positive")
+    return q_heads, kv_heads, launches
+
+
 def measure_ceilings(device) -> tuple[float, float]:
     """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s).
 

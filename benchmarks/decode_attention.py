@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from benchmarks_common import graph_call_us, measure_ceilings
+from benchmarks_common import graph_call_us, heads_and_configs, measure_ceilings
 
 from headrace.kernels.attention import _decode_num_splits, paged_attention
 
@@ -61,13 +61,7 @@ def main() -> None:
     parser.add_argument("--heads", default="32,8", help="query heads,KV heads")
     parser.add_argument("--configs", default="", help="WARPS,STAGES,BLOCK_N[;...]: decode launches to add")
     args = parser.parse_args()
-    try:
-        heads, kv_heads = map(int, args.heads.split(","))
-        configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";") if c]
-    except ValueError:
-        parser.error(f"--heads takes Q,KV and --configs W,S,N[;...], got {args.heads!r} and {args.configs!r}")
-    if heads < 1 or kv_heads < 1 or heads % kv_heads or any(len(c) != 3 or min(c) < 1 for c in configs):
-        parser.error("--heads must be positive with KV heads dividing query heads; each --configs entry W,S,N positive")
+    heads, kv_heads, configs = heads_and_configs(parser, args.heads, args.configs, "WARPS,STAGES,BLOCK_N")
     ahead = {"auto": None, "on": True, "off": False}[args.ids_ahead]
     bw, _ = measure_ceilings(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ import itertools
 import random
 
 import torch
-from benchmarks_common import graph_call_us, measure_ceilings
+from benchmarks_common import graph_call_us, heads_and_configs, measure_ceilings
 
 from headrace.kernels.attention import paged_attention
 
@@ -99,14 +99,11 @@ def main() -> None:
     parser.add_argument("--configs", default="", help="BLOCK_M,BLOCK_N,warps,stages;... to time the kernel under too")
     parser.add_argument("--sweep", action="store_true", help="the kernel under every config of a grid too")
     args = parser.parse_args()
+    heads, kv_heads, configs = heads_and_configs(parser, args.heads, args.configs, "BLOCK_M,BLOCK_N,WARPS,STAGES")
     try:
-        heads, kv_heads = map(int, args.heads.split(","))
-        configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";") if c]
         cases = {case: requests(case) for case in args.cases.split(",")}
     except ValueError:
-        parser.error("--heads takes Q,KV; --configs BM,BN,W,S;...; --cases NxL, chunk or mixed, comma-separated")
-    if heads < 1 or kv_heads < 1 or heads % kv_heads or any(len(c) != 4 for c in configs):
-        parser.error("--heads needs query heads a multiple of the KV heads; each --configs entry has four numbers")
+        parser.error(f"--cases takes NxL, chunk or mixed, comma-separated, got {args.cases!r}")
     configs += SWEEP if args.sweep else []
     _, rate = measure_ceilings(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)

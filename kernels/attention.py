@@ -171,9 +171,10 @@ def _attend_tile(
     """One tile of keys added to the running statistics. Without MASKED every key of the tile is below
     key_hi and at or before every row's position: nothing is masked."""
     k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    k_valid = k_pos < key_hi
-    kv_mask = k_valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
-    if not MASKED:
+    if MASKED:
+        k_valid = k_pos < key_hi
+        kv_mask = k_valid[:, None] & d_mask[None, :]  # [BLOCK_N, BLOCK_D]
+    else:
         kv_mask = d_mask[None, :]  # [1, BLOCK_D]
     k = tl.load(k_base + slot_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     qk = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [M, BLOCK_N]
