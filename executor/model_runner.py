@@ -326,7 +326,7 @@ class ModelRunner:
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         last = hidden if batch.attn.max_query_len == 1 else hidden[batch.logits_indices]  # each row's last token
-        logits = self.model.compute_logits(last, upcast=False)
+        logits = self._logits(last)
         sampled, logprobs = sample(logits, batch, states, self.processors)
         beams = None
         if sched.beam_selects:
@@ -346,6 +346,15 @@ class ModelRunner:
             pending.ready = torch.cuda.Event()
             pending.ready.record()
         return pending
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab], the head's dtype
+        """The LM head on each row's last hidden state. With CUDA graphs its rows are padded with zeros up
+        to a decode graph's size (StepGraphs.logit_rows), so that it meets only row counts seen at capture."""
+        n = last.shape[0]
+        pad = 0 if self.graphs is None else self.graphs.logit_rows(n) - n
+        if pad:
+            last = torch.nn.functional.pad(last, (0, 0, 0, pad))
+        return self.model.compute_logits(last, upcast=False)[:n]
 
     @on_device
     def collect(self, pending: PendingOutput) -> ModelRunnerOutput:
