@@ -40,5 +40,6 @@ fi
 
 case "$cmd" in
   demo) exec "$venv/bin/headrace" generate "$@" ;;
-  test) exec "$py" -m pytest -q "$@" ;;
+  # Whole files to a worker: their module fixtures (a transformers reference, a served model) are built once.
+  test) exec "$py" -m pytest -q -n "${HEADRACE_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
 esac
