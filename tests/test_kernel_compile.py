@@ -1,0 +1,157 @@
+"""Triton's GPU compiler, run on the CPU: kernel launches made here under the interpreter are recorded (not
+run), then compiled for an H100 (sm_90: Triton IR through PTX to a cubin) in a child process without the
+interpreter. The interpreter runs Python, so it accepts kernels that the compiler rejects (a name bound in only
+one branch of a constexpr `if`, say): those fail here rather than on the GPU. Each launch is compiled with the
+constexprs a Hopper GPU gets where the CPU's differ (GPU_CONSTEXPRS)."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+# Constexprs the launchers set from the device: on a Hopper GPU these values.
+GPU_CONSTEXPRS = {"PDL": True, "UPCAST_DOT": False, "APPROX": True, "ASM": True, "NATIVE": True, "WIDEN16": True}
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+          torch.float8_e4m3fn: "fp8e4nv"}
+
+_COMPILE = r"""
+import importlib, json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+failed = []
+for k in json.load(sys.stdin):
+    fn = getattr(importlib.import_module(k["module"]), k["name"])
+    try:
+        compile(ASTSource(fn=fn, signature=k["signature"], constexprs=k["constexprs"]),
+                target=GPUTarget("cuda", 90, 32), options=k["options"])
+    except Exception as e:
+        failed.append(f"{k['name']} {k['constexprs']}: {type(e).__name__}: {e}")
+print(json.dumps(failed))
+"""
+
+
+def _describe(fn, args: tuple, kwargs: dict) -> dict:
+    """A launch as the compiler takes it: each argument's type, the constexprs' values (the GPU's where
+    GPU_CONSTEXPRS names them) and the compile options."""
+    options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
+    if "launch_pdl" in options or "PDL" in inspect.signature(fn).parameters:
+        options["launch_pdl"] = True
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    signature, constexprs = {}, {}
+    for name, value in bound.arguments.items():
+        annotation = inspect.signature(fn).parameters[name].annotation
+        if str(annotation).endswith("constexpr") or value is None:
+            signature[name] = "constexpr"
+            constexprs[name] = GPU_CONSTEXPRS.get(name, value)
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
+    return dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=constexprs,
+                options=options)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch made under the interpreter while the test runs, described (_describe), not run."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("records launches under the Triton interpreter (the CPU suite); a GPU compiles them anyway")
+    seen: list[dict] = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        seen.append(_describe(self.fn, args, kwargs))
+
+    monkeypatch.setattr(InterpretedFunction, "run", record)
+    return seen
+
+
+def _compile(launches: list[dict]) -> list[str]:
+    unique = list({json.dumps(k, sort_keys=True): k for k in launches}.values())
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(unique), capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _paged_batch(lens: list[int], queries: list[int], heads=(16, 8), block=16, dtype=torch.bfloat16):
+    num_heads, num_kv_heads = heads
+    blocks = sum(-(-n // block) for n in lens) + 1
+    kv = torch.zeros(2, blocks, block, num_kv_heads, 128, dtype=dtype)
+    tables = torch.zeros(len(lens), max(-(-n // block) for n in lens), dtype=torch.int32)
+    qsl = torch.tensor([0] + list(torch.tensor(queries).cumsum(0)), dtype=torch.int32)
+    q = torch.zeros(int(qsl[-1]), num_heads, 128, dtype=dtype)
+    return q, kv, qsl, torch.tensor(lens, dtype=torch.int32), tables
+
+
+def test_attention_and_sampling_kernels_compile_for_hopper(launches):
+    from headrace.kernels.attention import paged_attention
+    from headrace.kernels.qkv import decode_attention
+    from headrace.kernels.sampling import gumbel_sample
+
+    # a mixed step (the general kernel, the decode kernel split and its reduce), decode steps split and unsplit
+    q, kv, qsl, lens, tables = _paged_batch([300, 40, 77], [1, 40, 1])
+    paged_attention(q, kv, qsl, lens, tables, 0.08, 40, 300)
+    q, kv, qsl, lens, tables = _paged_batch([300, 40, 77], [1, 1, 1])
+    order = torch.tensor([0, 2, 1], dtype=torch.int32)
+    for kw in (dict(num_splits=1, order=order), dict(num_splits=4), dict(num_splits=4, ids_ahead=True)):
+        paged_attention(q, kv, qsl, lens, tables, 0.08, 1, 300, **kw)
+    # the decode kernel from q|k|v: rotary, Qwen3's q/k norm, the cache write
+    qkv = torch.zeros(3, (16 + 2 * 8) * 128, dtype=torch.bfloat16)
+    positions, slots = lens.long() - 1, torch.tensor([5, 70, 130])
+    cos_sin = torch.zeros(512, 128)
+    norms = [torch.ones(128, dtype=torch.bfloat16)] * 2
+    for splits, weights in ((1, norms), (4, norms), (4, [None, None])):
+        decode_attention(qkv, positions, cos_sin, *weights, 1e-6, kv, slots, 16, qsl, lens, tables, 0.08, 300,
+                         splits)
+    gumbel_sample(torch.zeros(3, 1000), torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), torch.ones(3))
+
+    names = {k["name"] for k in launches}
+    assert {"_paged_attention_kernel", "_paged_decode_kernel", "_paged_decode_reduce_kernel"} <= names, names
+    assert _compile(launches) == []
+
+
+def test_projection_kernels_compile_for_hopper(launches):
+    from headrace.kernels.activation import silu_and_mul
+    from headrace.kernels.dense import dense_linear
+    from headrace.kernels.fp8 import rms_norm_quantize, silu_and_mul_quantize
+    from headrace.kernels.int4 import int4_linear, pack_int4, split_k_tiles
+    from headrace.kernels.int4_gemv import int4_gemv
+    from headrace.kernels.norm import rms_norm
+    from headrace.kernels.splitk import counters
+
+    bf16 = dict(dtype=torch.bfloat16)
+    w, nw = torch.zeros(256, 128, **bf16), torch.ones(128, **bf16)
+    for rows, gated in ((1, True), (1, False), (8, False)):  # the one-row kernel with the norm, and few rows
+        x = torch.zeros(rows, 128, **bf16)
+        dense_linear(x, w, None, (nw, 1e-6), torch.zeros(rows, 128, **bf16), gated)
+    x = torch.zeros(4, 128, **bf16)
+    rms_norm(x, nw, 1e-6, torch.zeros(4, 128, **bf16))
+    silu_and_mul(torch.zeros(4, 256, **bf16))
+    rms_norm_quantize(x, nw, 1e-6, torch.zeros(4, 128, **bf16))
+    silu_and_mul_quantize(torch.zeros(4, 256, **bf16))
+    qweight = pack_int4(torch.zeros(256, 128, dtype=torch.uint8))
+    scales, zeros = torch.ones(2, 128, **bf16), torch.zeros(2, 128, **bf16)
+    counts = counters(split_k_tiles(128), torch.device("cpu"))
+    for split_k in (0, 3):  # the one-row kernel, K whole and split
+        int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, split_k)
+    int4_linear(torch.zeros(4, 256, **bf16), qweight, scales, zeros, 128, None, counts)  # tl.dot, K split
+
+    names = {k["name"] for k in launches}
+    assert len(names) >= 6, names
+    assert _compile(launches) == []
