@@ -49,7 +49,7 @@ def _describe(fn, args: tuple, kwargs: dict) -> dict:
     signature, constexprs = {}, {}
     for name, value in bound.arguments.items():
         annotation = inspect.signature(fn).parameters[name].annotation
-        if str(annotation).endswith("constexpr") or value is None:
+        if "constexpr" in str(annotation) or value is None:
             signature[name] = "constexpr"
             constexprs[name] = GPU_CONSTEXPRS.get(name, value)
         elif isinstance(value, torch.Tensor):
