@@ -155,3 +155,34 @@ def test_projection_kernels_compile_for_hopper(launches):
     names = {k["name"] for k in launches}
     assert len(names) >= 6, names
     assert _compile(launches) == []
+
+
+def test_quantized_logprob_and_rotary_kernels_compile_for_hopper(launches):
+    from headrace.kernels.fp8 import few_rows_tiles, fp8_few_rows, fp8_mm, quantize_rows
+    from headrace.kernels.gguf import gguf_linear
+    from headrace.kernels.logprobs import top_logprobs
+    from headrace.kernels.qkv import rope_and_cache
+    from headrace.kernels.splitk import counters
+    from tests.test_gguf_kernels import FORMATS, _weight
+
+    cpu = torch.device("cpu")
+    w, w_scale = quantize_rows(torch.zeros(128, 256))
+    counts = counters(few_rows_tiles(128), cpu)
+    for rows in (1, 4):  # the FP8 weights widened: FMAs for one row, tl.dot for a few
+        fp8_few_rows(torch.zeros(rows, 256, dtype=torch.bfloat16), w, w_scale, None, counts)
+    x_q, x_scale = quantize_rows(torch.zeros(32, 256))
+    fp8_mm(x_q, x_scale, w, w_scale, torch.zeros(128, dtype=torch.bfloat16), torch.bfloat16, counts)
+    for name in FORMATS:  # each GGUF block format, one row and a few
+        _, p = _weight(name, 40, 512, seed=1)
+        for rows in (1, 5):
+            gguf_linear(torch.zeros(rows, 512, dtype=torch.bfloat16), p, None)
+    top_logprobs(torch.zeros(3, 5000, dtype=torch.bfloat16), torch.tensor([1, 2, 3]),
+                 torch.zeros(3, dtype=torch.int32), 5)
+    cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    for weights in ([torch.ones(64, dtype=torch.bfloat16)] * 2, [None, None]):
+        rope_and_cache(torch.zeros(3, 8 * 64, dtype=torch.bfloat16), torch.tensor([0, 1, 2]), torch.zeros(16, 64),
+                       *weights, 1e-6, cache, torch.tensor([0, 1, -1]), 4)
+
+    names = {k["name"] for k in launches}
+    assert len(names) >= 5, names
+    assert _compile(launches) == []
