@@ -6,6 +6,7 @@ constexprs a Hopper GPU gets where the CPU's differ (GPU_CONSTEXPRS)."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import os
 import subprocess
@@ -41,15 +42,15 @@ print(json.dumps(failed))
 def _describe(fn, args: tuple, kwargs: dict) -> dict:
     """A launch as the compiler takes it: each argument's type, the constexprs' values (the GPU's where
     GPU_CONSTEXPRS names them) and the compile options."""
+    params = inspect.signature(fn).parameters
     options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
-    if "launch_pdl" in options or "PDL" in inspect.signature(fn).parameters:
+    if "launch_pdl" in options or "PDL" in params:
         options["launch_pdl"] = True
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound = inspect.Signature(params.values()).bind(*args, **kwargs)
     bound.apply_defaults()
     signature, constexprs = {}, {}
     for name, value in bound.arguments.items():
-        annotation = inspect.signature(fn).parameters[name].annotation
-        if "constexpr" in str(annotation) or value is None:
+        if "constexpr" in str(params[name].annotation) or value is None:
             signature[name] = "constexpr"
             constexprs[name] = GPU_CONSTEXPRS.get(name, value)
         elif isinstance(value, torch.Tensor):
@@ -94,7 +95,7 @@ def _paged_batch(lens: list[int], queries: list[int], heads=(16, 8), block=16, d
     blocks = sum(-(-n // block) for n in lens) + 1
     kv = torch.zeros(2, blocks, block, num_kv_heads, 128, dtype=dtype)
     tables = torch.zeros(len(lens), max(-(-n // block) for n in lens), dtype=torch.int32)
-    qsl = torch.tensor([0] + list(torch.tensor(queries).cumsum(0)), dtype=torch.int32)
+    qsl = torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32)
     q = torch.zeros(int(qsl[-1]), num_heads, 128, dtype=dtype)
     return q, kv, qsl, torch.tensor(lens, dtype=torch.int32), tables
 
