@@ -138,10 +138,11 @@ class StepGraphs:
         sizes = self._decode_sizes if batch.attn.max_query_len == 1 else self._mixed_sizes
         return int(batch.query_start_loc_np[-1]) <= sizes[-1]
 
-    def run(self, batch: InputBatch) -> torch.Tensor:  # [num_tokens, hidden]
+    def run(self, batch: InputBatch) -> torch.Tensor:  # [size, hidden], size >= num_tokens
         """Replay the graph for the batch, which input preparation wrote into
         this graph's buffers (prepare_inputs with bufs); only padding tokens
-        past it get their slot set to -1 here."""
+        past it get their slot set to -1 here. Returns the graph's whole
+        output: the rows past the batch's tokens are padding."""
         meta = batch.attn
         t = int(batch.query_start_loc_np[-1])  # a decode step's t is its row count
         if batch.input_ids.data_ptr() != self.bufs.input_ids.data_ptr():
@@ -153,4 +154,4 @@ class StepGraphs:
             self.bufs.slot_mapping[t:size].fill_(-1)
         graph, out = (self.decode if decode else self.mixed)[size]
         graph.replay()
-        return out[:t]
+        return out

@@ -80,6 +80,7 @@ class InputBuffers:
         self.query_start_loc = self.views["query_start_loc"]  # [S + 1] past the batch's rows: its token count
         self.seq_lens = self.views["seq_lens"]  # [S] past the batch's rows: 1 (one key; graph padding)
         self.decode_order = self.views["decode_order"]  # [S] rows longest first; past the batch's: themselves
+        self.logits_indices = self.views["logits_indices"]  # [S] int64 row -> its last token; past the batch's: 0
         self.input_ids = torch.zeros(T, dtype=torch.long, device=device)  # [T]
         self.positions = torch.zeros(T, dtype=torch.long, device=device)  # [T]
         self.slot_mapping = torch.full((T,), -1, dtype=torch.long, device=device)  # [T] token -> cache slot

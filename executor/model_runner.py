@@ -16,7 +16,7 @@ from headrace.config import EngineArgs, SchedulerConfig
 from headrace.executor.attention import AttentionMetadata
 from headrace.executor.beam import BeamState, fork_beams, select_beams
 from headrace.executor.cuda_graphs import StepGraphs, clear_cublas_workspaces
-from headrace.executor.input_batch import InputBuffers, prepare_inputs
+from headrace.executor.input_batch import InputBatch, InputBuffers, prepare_inputs
 from headrace.executor.logits_processors import load_logits_processors
 from headrace.executor.models.loader import load_model
 from headrace.executor.models.quant import resolve_quantization
@@ -321,12 +321,13 @@ class ModelRunner:
                        self.kv, self.block_size)
 
         batch = prepare_inputs(states, sched.num_scheduled_tokens, self.block_size, self.device, self.bufs)
+        padded = None  # a CUDA graph's whole output: its rows past the batch's tokens are padding
         if self.graphs is not None and self.graphs.fits(batch):
-            hidden = self.graphs.run(batch)
+            padded = self.graphs.run(batch)
+            hidden = padded[: int(batch.query_start_loc_np[-1])]
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn)
-        last = hidden if batch.attn.max_query_len == 1 else hidden[batch.logits_indices]  # each row's last token
-        logits = self._logits(last)
+        logits = self._logits(batch, hidden, padded)
         sampled, logprobs = sample(logits, batch, states, self.processors)
         beams = None
         if sched.beam_selects:
@@ -347,13 +348,21 @@ class ModelRunner:
             pending.ready.record()
         return pending
 
-    def _logits(self, last: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab], the head's dtype
-        """The LM head on each row's last hidden state. With CUDA graphs its rows are padded with zeros up
-        to a decode graph's size (StepGraphs.logit_rows), so that it meets only row counts seen at capture."""
-        n = last.shape[0]
-        pad = 0 if self.graphs is None else self.graphs.logit_rows(n) - n
-        if pad:
-            last = torch.nn.functional.pad(last, (0, 0, 0, pad))
+    def _logits(self, batch: InputBatch, hidden: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
+        """The LM head on each row's last hidden state -> [rows, vocab] in the head's dtype. With CUDA graphs
+        its rows are padded up to a decode graph's size (StepGraphs.logit_rows), so that it meets only row
+        counts seen at capture. The padded rows are read where they already are: a decode graph's output has
+        that size, and past a batch's rows logits_indices holds zeros (row 0 stands in)."""
+        n, decode = len(batch.req_ids), batch.attn.max_query_len == 1
+        rows = n if self.graphs is None else self.graphs.logit_rows(n)
+        if rows > n and decode and padded is not None:
+            last = padded[:rows]
+        elif rows > n and not decode and batch.logits_indices.data_ptr() == self.bufs.logits_indices.data_ptr():
+            last = hidden[self.bufs.logits_indices[:rows]]
+        else:
+            last = hidden if decode else hidden[batch.logits_indices]
+            if rows > n:
+                last = torch.nn.functional.pad(last, (0, 0, 0, rows - n))
         return self.model.compute_logits(last, upcast=False)[:n]
 
     @on_device
