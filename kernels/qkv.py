@@ -47,7 +47,10 @@ def rope_and_cache_ref(
 
 
 # Triton: one program per token. Its q heads, then its k heads, go through in
-# tiles of [BLOCK_H heads, BLOCK_D] (kernels/rotary.py's rotate_heads: with NORM
+# tiles of [BLOCK_H heads, BLOCK_D] and [BLOCK_KV heads, BLOCK_D], unrolled (the
+# head counts are constexprs: on an H100 one tile each, sized to the heads, took
+# 74 us at 8192 tokens of Qwen3-0.6B's heads where a runtime loop over tiles
+# sized to the q heads took 108; kernels/rotary.py's rotate_heads: with NORM
 # each head is normalised as kernels/norm.py does and rounded to the model dtype
 # before the rotation, which rounds again, as rotary_ref does). k, rounded so, and
 # v are then stored in the cache as write_kv_ref stores them (attention.py's
@@ -59,9 +62,9 @@ def _rope_and_cache_kernel(
     q_weight_ptr, k_weight_ptr, eps,
     q_ptr,  # [num_tokens, num_heads, head_dim], contiguous
     cache_ptr, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
-    slot_mapping_ptr,
-    num_heads, num_kv_heads, head_dim,
-    NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    slot_mapping_ptr, head_dim,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -72,19 +75,19 @@ def _rope_and_cache_kernel(
     wait_for_previous(PDL)
     d_mask = (offs_d < head_dim)[None, :]
     row = qkv_ptr + token * stride_t
-    for h0 in range(0, num_heads, BLOCK_H):
+    for h0 in tl.static_range(0, NUM_HEADS, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)[:, None]
-        mask = (h < num_heads) & d_mask
+        mask = (h < NUM_HEADS) & d_mask
         q = rotate_heads(row + h * head_dim, mask, offs_d, head_dim, cos, sin, q_weight_ptr, eps, NORM)
-        tl.store(q_ptr + (token * num_heads + h) * head_dim + offs_d[None, :], cast_rtne(q, q_ptr.dtype.element_ty),
+        tl.store(q_ptr + (token * NUM_HEADS + h) * head_dim + offs_d[None, :], cast_rtne(q, q_ptr.dtype.element_ty),
                  mask=mask)
     if slot >= 0:
         cache_row = cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
-        for g0 in range(0, num_kv_heads, BLOCK_H):
-            kh = g0 + tl.arange(0, BLOCK_H)[:, None]
-            k_src = row + (num_heads + kh) * head_dim
-            store_token_kv(k_src, k_src + num_kv_heads * head_dim, cache_row + kh * stride_c_h, stride_c_kv,
-                           (kh < num_kv_heads) & d_mask, offs_d, head_dim, cos, sin, k_weight_ptr, eps, NORM)
+        for g0 in tl.static_range(0, NUM_KV_HEADS, BLOCK_KV):
+            kh = g0 + tl.arange(0, BLOCK_KV)[:, None]
+            k_src = row + (NUM_HEADS + kh) * head_dim
+            store_token_kv(k_src, k_src + NUM_KV_HEADS * head_dim, cache_row + kh * stride_c_h, stride_c_kv,
+                           (kh < NUM_KV_HEADS) & d_mask, offs_d, head_dim, cos, sin, k_weight_ptr, eps, NORM)
 
 
 _TILE = 2048  # elements of one tile of whole heads (heads x head_dim)
@@ -118,16 +121,15 @@ def rope_and_cache(
     if num_tokens == 0:
         return q
     block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(_TILE // block_d, 1))
+    block_h, block_kv = (min(triton.next_power_of_2(n), max(_TILE // block_d, 1)) for n in (num_heads, num_kv_heads))
     _rope_and_cache_kernel[(num_tokens,)](
         qkv, qkv.stride(0),
         positions, cos_sin, cos_sin.stride(0),
         q_weight if q_weight is not None else cos_sin, k_weight if k_weight is not None else cos_sin, eps,
         q,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        slot_mapping,
-        num_heads, num_kv_heads, head_dim,
-        NORM=q_weight is not None, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=block_h, BLOCK_D=block_d,
+        slot_mapping, head_dim, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+        NORM=q_weight is not None, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=block_h, BLOCK_KV=block_kv, BLOCK_D=block_d,
         num_warps=4, **pdl_args(qkv.device),
     )
     return q
