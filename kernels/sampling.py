@@ -156,12 +156,25 @@ def _log2(x, APPROX: tl.constexpr):
 
 
 @triton.jit
+def _ratio(t, d, APPROX: tl.constexpr):
+    """t / d for float32 d in [1, 2]: with APPROX the hardware's reciprocal and one Newton step on the
+    exact residual t - s d (within an ulp of the rounded quotient, where the IEEE division takes a
+    dozen instructions), else the division."""
+    if APPROX:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        s = t * r
+        return tl.fma(tl.fma(-s, d, t), r, s)
+    return t / d
+
+
+@triton.jit
 def _gumbel_f32(bits, APPROX: tl.constexpr):
     """gumbel_from_bits_ref, step for step in float32, for uint32 bits."""
     low = bits < 0x80000000
     u = (bits.to(tl.float32) + 0.5) * _INV_2_32_TL
     t = ((~bits).to(tl.float32) + 0.5) * _INV_2_32_TL  # ~bits = 2**32 - 1 - bits
-    s = t / (2.0 - t)
+    s = _ratio(t, 2.0 - t, APPROX)
     s2 = s * s
     series = 1.0 / 13.0  # _ATANH_TERMS, last first
     series = series * s2 + 1.0 / 11.0
