@@ -49,8 +49,8 @@ def rope_and_cache_ref(
 # Triton: one program per token. Its q heads, then its k heads, go through in
 # tiles of [BLOCK_H heads, BLOCK_D] and [BLOCK_KV heads, BLOCK_D], unrolled (the
 # head counts are constexprs: on an H100 one tile each, sized to the heads, took
-# 74 us at 8192 tokens of Qwen3-0.6B's heads where a runtime loop over tiles
-# sized to the q heads took 108; kernels/rotary.py's rotate_heads: with NORM
+# 76.5 us at 8192 tokens of Qwen3-0.6B's heads where a runtime loop over tiles
+# sized to the q heads took 107.7; kernels/rotary.py's rotate_heads: with NORM
 # each head is normalised as kernels/norm.py does and rounded to the model dtype
 # before the rotation, which rounds again, as rotary_ref does). k, rounded so, and
 # v are then stored in the cache as write_kv_ref stores them (attention.py's
