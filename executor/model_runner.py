@@ -352,17 +352,20 @@ class ModelRunner:
         """The LM head on each row's last hidden state -> [rows, vocab] in the head's dtype. With CUDA graphs
         its rows are padded up to a decode graph's size (StepGraphs.logit_rows), so that it meets only row
         counts seen at capture. The padded rows are read where they already are: a decode graph's output has
-        that size, and past a batch's rows logits_indices holds zeros (row 0 stands in)."""
+        that size (a decode step past the graphs has more rows than any, so no padding), and a step with a
+        prefill chunk, always prepared in the graphs' buffers, gathers through logits_indices, zero past its
+        rows (row 0 stands in)."""
         n, decode = len(batch.req_ids), batch.attn.max_query_len == 1
-        rows = n if self.graphs is None else self.graphs.logit_rows(n)
-        if rows > n and decode and padded is not None:
-            last = padded[:rows]
-        elif rows > n and not decode and batch.logits_indices.data_ptr() == self.bufs.logits_indices.data_ptr():
-            last = hidden[self.bufs.logits_indices[:rows]]
-        else:
+        if self.graphs is None:
             last = hidden if decode else hidden[batch.logits_indices]
-            if rows > n:
-                last = torch.nn.functional.pad(last, (0, 0, 0, rows - n))
+        else:
+            rows = self.graphs.logit_rows(n)
+            if decode:
+                last = hidden if padded is None else padded[:rows]
+            elif batch.logits_indices.data_ptr() != self.bufs.logits_indices.data_ptr():
+                raise RuntimeError("the step was not prepared in the CUDA graphs' input buffers")
+            else:
+                last = hidden[self.bufs.logits_indices[:rows]]
         return self.model.compute_logits(last, upcast=False)[:n]
 
     @on_device
