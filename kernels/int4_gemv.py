@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 from headrace.kernels import splitk
+from headrace.kernels.activation import silu_mul
 from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
+from headrace.kernels.norm import cast_rtne
 from headrace.kernels.splitk import sum_splits
 
 # (lop3 0xEA: (a & b) | c) the nibble at bits 12..15 or 16..19, with 2^11's or 2^7's exponent field
@@ -133,16 +135,25 @@ def _add_slice(acc_a, acc_b, w_a, w_b, x_ptr, k0, k_end, r, EVEN_K: tl.constexpr
 def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
                       EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     pid_n, split = tl.program_id(0), tl.program_id(1)
-    offs_a = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-    offs_b = offs_a + BLOCK_N // 2
-    mask_a, mask_b = offs_a < N, offs_b < N
+    if GATED:  # gate columns (features) BLOCK_N // 2 from pid_n's, their up columns N // 2 further on
+        offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        offs_b = offs_a + N // 2
+        mask_a = offs_a < N // 2
+        mask_b = mask_a
+    else:
+        offs_a = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        offs_b = offs_a + BLOCK_N // 2
+        mask_a, mask_b = offs_a < N, offs_b < N
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     r = tl.arange(0, BLOCK_K // 8)
     p_a = qw_ptr + (k_start // 8 + r)[:, None].to(tl.int64) * N + offs_a[None, :]
-    p_b = p_a + BLOCK_N // 2
+    if GATED:
+        p_b = p_a + N // 2
+    else:
+        p_b = p_a + BLOCK_N // 2
     w_a = _load_slice(p_a, s_ptr, z_ptr, k_start, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
     w_b = _load_slice(p_b, s_ptr, z_ptr, k_start, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
     wait_for_previous(PDL)
@@ -157,7 +168,7 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     # the halves' sums side by side, [1, BLOCK_N] in the order a0, b0, a1, b1, ..., with their columns
     total = tl.reshape(tl.join(tl.sum(acc_a, axis=0), tl.sum(acc_b, axis=0)), [1, BLOCK_N])
     offs = tl.reshape(tl.join(offs_a, offs_b), [1, BLOCK_N])
-    mask = offs < N
+    mask = tl.reshape(tl.join(mask_a, mask_b), [1, BLOCK_N])
     last = True
     if SPLIT:
         total, last = sum_splits(total, part_ptr, count_ptr, pid_n, split, tl.num_programs(1), N, offs, mask,
@@ -165,7 +176,13 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     if last:
         if HAS_BIAS:
             total += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        if GATED:  # silu_and_mul's rounding points: gate and up in the model dtype first
+            dtype: tl.constexpr = out_ptr.dtype.element_ty
+            gate, up = tl.split(tl.reshape(total, [BLOCK_N // 2, 2]))
+            act = silu_mul(cast_rtne(gate, dtype).to(tl.float32), cast_rtne(up, dtype).to(tl.float32), dtype)
+            tl.store(out_ptr + offs_a, act, mask=mask_a)
+        else:
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # From benchmarks/int4_kernel.py's sweep on an H100 (Qwen3-8B's projections and LM head, group 128):
@@ -181,28 +198,33 @@ _UNROLLED_SUM = 16  # up to this many splits the last program loads their partia
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, counts: torch.Tensor | None = None, split_k: int = 0,
-              config: tuple[int, int, int, int] = CONFIG) -> torch.Tensor:
-    """int4_linear_ref for x [1, K] (float16 / bfloat16; int4_linear has checked the shapes) -> [1, N].
+              config: tuple[int, int, int, int] = CONFIG, gated: bool = False) -> torch.Tensor:
+    """int4_linear_ref for x [1, K] (float16 / bfloat16; int4_linear has checked the shapes) -> [1, N], or
+    with gated, silu_and_mul of it -> [1, N // 2] in the same launch (a gate|up projection: gate the first
+    half of the outputs, up the second).
     counts: split-K counters for cdiv(N, block_n) tiles; split_k: the K splits (0: none from WHOLE_K_TILES
     tiles an SM, else by the config's programs an SM); config: as CONFIG (benchmarks compare others)."""
     block_n, block_k, num_warps, programs_per_sm = config
     k, n = x.shape[1], qweight.shape[1]
+    if gated and n % 2:
+        raise ValueError(f"a gated projection has as many up as gate outputs, got {n} outputs")
     if x.data_ptr() % 4:  # the kernel reads x in 32-bit pairs
         x = x.clone()
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     if group_size == k:  # one group: any slice width, the last slice masked
         block_k = min(block_k, max(8, triton.next_power_of_2(k)))
     else:  # a power of two dividing G, so every slice lies in one group
         block_k = min(block_k, group_size & -group_size)
-    tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
     if not split_k and tiles >= WHOLE_K_TILES * num_sms(x.device):
         split_k = 1
     k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, programs_per_sm, split_k)
+    # (with gated and splits, the partials span all N columns: part is [splits, 1, N])
     stages = 4 if splits == 1 else 1
     _int4_gemv_kernel[(tiles, splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, k_per_split,
         GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,
         MAX_SPLITS=triton.next_power_of_2(splits) if splits <= _UNROLLED_SUM else 0, EVEN_K=k % block_k == 0,
-        EVEN_N=n % block_n == 0, ASM=x.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+        EVEN_N=n % block_n == 0, ASM=x.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GATED=gated,
         num_warps=num_warps, num_stages=stages, **pdl_args(x.device))
     return out

@@ -165,6 +165,55 @@ def test_one_row_gemv(k, n, g, dtype, monkeypatch):
         _assert_near(got[0], want, x, w)
 
 
+def _f32_sums_bound(x: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """What the one-row kernel's float32 sums may be off by (float64, [1, N]): it adds exact weights against an
+    offset of at most 2^11 (kernels/int4_gemv.py), so at most 2^-9 of sum_k |x_k| scale_k."""
+    return (x.double().abs() @ scales.double().repeat_interleave(group, dim=0)) * 2**-9
+
+
+# (K, N, G): a partial last tile of features (N / 2 = 40 and 65), K = G (its last slice masked), G = 16, whole
+# tiles; on the GPU a wide layer whose K is not split.
+GATED_SHAPES = [(256, 80, 128), (40, 96, 40), (512, 130, 64), (128, 40, 16), (256, 128, 64)]
+if DEVICE == "cuda":
+    GATED_SHAPES += [(1024, 2 * 64 * 132 * 2, 128)]
+
+
+@pytest.mark.parametrize("k,n,g", GATED_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_row_gemv_gated(k, n, g, dtype, monkeypatch):
+    """The one-row kernel with SiLU-and-mul in its epilogue (gate|up: gate the first half of the outputs),
+    K whole and split 3 and 20 ways, with and without bias, against the dequantized float64 layer: gate and up
+    within the float32 sums' bound, then rounded to dtype (half an eps), SiLU rounded and the product rounded.
+    torch.empty returns NaN-filled memory, and the split-K counters are back at zero after every call."""
+    qweight, scales, zeros = _layer(k, n, g, dtype, seed=k + n + g)
+    gen = torch.Generator().manual_seed(k * n)
+    x = (torch.randn(1, k, generator=gen) * 2).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    w = dequantize_int4(qweight, scales, zeros, g, torch.float64)
+    half_eps = torch.finfo(dtype).eps / 2
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    counts = counters(split_k_tiles(n), DEVICE)
+    for b in (None, bias):
+        gu = x.double() @ w.t() + (0 if b is None else b.double())
+        d_gu = _f32_sums_bound(x, scales, g)
+        d_gu += half_eps * (gu.abs() + d_gu)
+        (gate, up), (dg, du) = gu.split(n // 2, dim=1), d_gu.split(n // 2, dim=1)
+        act = torch.nn.functional.silu(gate)
+        d_act = 1.1 * dg + half_eps * (act.abs() + 1.1 * dg)
+        allowed = d_act * (up.abs() + du) + act.abs() * du
+        allowed += half_eps * ((act * up).abs() + allowed)
+        for split_k in (0, 1, 3, 20):
+            got = int4_gemv(x, qweight, scales, zeros, g, b, counts, split_k, gated=True)
+            assert got.shape == (1, n // 2) and got.dtype == dtype
+            err = (got.double() - act * up).abs()
+            assert bool((err <= allowed).all()), f"split {split_k}: max error {err.max():.3g}"
+            assert not counts.any()
+    with pytest.raises(ValueError, match="as many up as gate outputs"):
+        int4_gemv(x, qweight[:, :n - 1].contiguous(), scales[:, :n - 1].contiguous(),
+                  zeros[:, :n - 1].contiguous(), g, None, gated=True)
+
+
 def test_one_row_gemv_leaves_k_whole_for_wide_layers(monkeypatch):
     """From WHOLE_K_TILES output tiles an SM (as gate|up has) the one-row kernel runs K unsplit, and its
     result is the reference's; narrower layers split K as before."""

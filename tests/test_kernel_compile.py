@@ -149,8 +149,9 @@ def test_projection_kernels_compile_for_hopper(launches):
     qweight = pack_int4(torch.zeros(256, 128, dtype=torch.uint8))
     scales, zeros = torch.ones(2, 128, **bf16), torch.zeros(2, 128, **bf16)
     counts = counters(split_k_tiles(128), torch.device("cpu"))
-    for split_k in (0, 3):  # the one-row kernel, K whole and split
+    for split_k in (0, 3):  # the one-row kernel, K whole and split, plain and with SiLU-and-mul
         int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, split_k)
+        int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, split_k, gated=True)
     int4_linear(torch.zeros(4, 256, **bf16), qweight, scales, zeros, 128, None, counts)  # tl.dot, K split
 
     names = {k["name"] for k in launches}
