@@ -139,21 +139,19 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     pid_n, split = tl.program_id(0), tl.program_id(1)
     if GATED:  # gate columns (features) BLOCK_N // 2 from pid_n's, their up columns N // 2 further on
         offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        offs_b = offs_a + N // 2
-        mask_a = offs_a < N // 2
+        b_shift = N // 2
+        mask_a = offs_a < b_shift
         mask_b = mask_a
     else:
         offs_a = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        offs_b = offs_a + BLOCK_N // 2
-        mask_a, mask_b = offs_a < N, offs_b < N
+        b_shift = BLOCK_N // 2
+        mask_a, mask_b = offs_a < N, offs_a + b_shift < N
+    offs_b = offs_a + b_shift
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     r = tl.arange(0, BLOCK_K // 8)
     p_a = qw_ptr + (k_start // 8 + r)[:, None].to(tl.int64) * N + offs_a[None, :]
-    if GATED:
-        p_b = p_a + N // 2
-    else:
-        p_b = p_a + BLOCK_N // 2
+    p_b = p_a + b_shift
     w_a = _load_slice(p_a, s_ptr, z_ptr, k_start, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
     w_b = _load_slice(p_b, s_ptr, z_ptr, k_start, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
     wait_for_previous(PDL)

@@ -111,10 +111,13 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         self.bias = bias
 
+    def _packed_order(self, x: torch.Tensor) -> torch.Tensor:
+        """x's input features in the packed weight's order (GPTQ's desc_act), or x."""
+        return x if self.perm is None else x.index_select(-1, self.perm)
+
     @_flat
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
+        x = self._packed_order(x)
         if x.is_cuda:
             return int4.int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias, self.counts)
         return int4.int4_linear_ref(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
@@ -126,9 +129,7 @@ class Int4Linear(nn.Module):
     def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(self(x)) where runs_gated(x), SiLU-and-mul in the one-row kernel's epilogue (a gate|up
         projection: the first half of the outputs is the gate)."""
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        return int4_gemv(x.contiguous(), self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+        return int4_gemv(self._packed_order(x).contiguous(), self.qweight, self.scales, self.zeros, self.group_size, self.bias,
                          self.counts, gated=True)
 
 
