@@ -49,9 +49,11 @@ def kernel_kind(name: str) -> str:
         return "all-reduce"
     if "allgather" in n or "all_gather" in n:
         return "all-gather"
-    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "splitk")):
+    # cuBLAS's GEMMs, and this project's Triton projections (kernels/dense.py, fp8.py, int4*.py, gguf.py)
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "splitk", "_dense_kernel", "_fp8_mm",
+                            "_fp8_few_rows", "_int4_linear", "_int4_gemv", "_gguf_gemv", "_gguf_mm")):
         return "matmul"
-    if "attention" in n or "attn" in n:
+    if any(k in n for k in ("attention", "attn", "_paged_decode")):  # the decode kernel and its split reduce too
         return "attention"
     return "other"
 
