@@ -40,6 +40,7 @@ fi
 
 case "$cmd" in
   demo) exec "$venv/bin/headrace" generate "$@" ;;
-  # Whole files to a worker: their module fixtures (a transformers reference, a served model) are built once.
-  test) exec "$py" -m pytest -q -n "${HEADRACE_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
+  # Whole files to a worker: their module fixtures (a transformers reference, a served model) are built once;
+  # the files in tests/conftest.py's order (slowest first), not re-sorted by their test counts.
+  test) exec "$py" -m pytest -q -n "${HEADRACE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" ;;
 esac
