@@ -10,6 +10,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter import skip_nested_patching
+
+    skip_nested_patching()
 
 import functools
 
