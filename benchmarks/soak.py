@@ -32,7 +32,10 @@ Checks (exit status 1 if one fails):
   all its blocks free (AsyncEngine.connect to the core's address);
 - resident memory (VmRSS, sampled every 10 s) of each process alive at the
   end grew less than 5% from its first sample after three fifths of the run
-  (the warm-up, and the load settled again after the restarts) to its last.
+  (the warm-up, and the load settled again after the restarts), or SETTLE_S
+  after the first request that began after the core's kill and succeeded if
+  that is later, to its last; with fewer than two samples there, the check
+  fails rather than passing unchecked.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ import openai
 TIMEOUT = 120.0
 FAULT_AT = (0.2, 0.4)  # an API server, then the core, killed at these fractions of the run
 STEADY_FROM = 0.6  # resident memory is compared from this fraction of the run to its end
+SETTLE_S = 10.0  # or from this long after the restarted core's first success, if later
 
 
 def main() -> int:
@@ -180,15 +184,27 @@ def _soak(serve: _Serve, args) -> dict:
         rss = _rss_mib(pid)
         if rss is not None:
             memory.setdefault(pid, []).append((time.monotonic() - start, rss, role))
-    steady = STEADY_FROM * (end - start)
+    steady = max(STEADY_FROM * (end - start), _back_at(results, events, start) + SETTLE_S)
     alive = set(serve.children()) | {serve.proc.pid}
-    growth = {}
+    growth, unchecked = {}, []
     for pid, samples in memory.items():
         later = [s for s in samples if s[0] >= steady]
         if pid in alive and len(later) >= 2:
             growth[f"{samples[0][2]} {pid}"] = round(later[-1][1] / later[0][1] - 1, 4)
+        elif pid in alive:
+            unchecked.append(f"{samples[0][2]} {pid}")
     return {"minutes": args.minutes, "clients": args.clients, "events": events, "requests": results,
-            "hung_threads": hung_threads, "rss_growth": growth, "kv": asyncio.run(_kv_state(serve.core_address))}
+            "hung_threads": hung_threads, "rss_growth": growth, "rss_from": round(steady, 1),
+            "rss_unchecked": unchecked, "kv": asyncio.run(_kv_state(serve.core_address))}
+
+
+def _back_at(results: list[dict], events: list[dict], start: float) -> float:
+    """Seconds into the run when the first request begun after the core's kill succeeded (inf: none did)."""
+    killed = next((e["at"] for e in events if e["killed"] == "core"), None)
+    if killed is None:
+        return 0.0
+    ends = [r["began"] + r["seconds"] - start for r in results if r["outcome"] == "ok" and r["began"] - start >= killed]
+    return min(ends, default=float("inf"))
 
 
 def _tokenizer(serve: _Serve):
@@ -270,7 +286,7 @@ def _client(base_url: str, rng: random.Random, end: float, long_prompt: list[int
             outcome, kind["error"] = "bad", f"{type(e).__name__}: {e}"
         if kind["invalid"] and outcome not in ("refused", "bad"):
             outcome = "bad"  # an invalid body must be refused
-        kind.update(outcome=outcome, seconds=round(time.monotonic() - t0, 3))
+        kind.update(outcome=outcome, began=t0, seconds=round(time.monotonic() - t0, 3))
         with lock:
             results.append(kind)
 
@@ -334,6 +350,9 @@ def _check(report: dict) -> list[str]:
     grown = {k: v for k, v in report["rss_growth"].items() if v >= 0.05}
     if grown:
         failures.append(f"resident memory grew 5% or more after warm-up: {grown}")
+    if report["rss_unchecked"]:
+        failures.append(f"resident memory not compared (fewer than two samples from {report['rss_from']} s, after "
+                        f"the load settled): {report['rss_unchecked']}")
     if report["serve_exit_code"] != 0:
         failures.append(f"headrace serve exited {report['serve_exit_code']} on SIGTERM")
     return failures
@@ -355,7 +374,8 @@ def _print(report: dict, failures: list[str]) -> None:
     for r in [r for r in reqs if r["outcome"] == "bad"][:5]:
         print("bad:", r)
     print(f"KV after the load: {report['kv']}")
-    print("VmRSS growth after warm-up: " + ", ".join(f"{k} {v:+.1%}" for k, v in sorted(report["rss_growth"].items())))
+    print(f"VmRSS growth from {report['rss_from']:g} s to the end: "
+          + ", ".join(f"{k} {v:+.1%}" for k, v in sorted(report["rss_growth"].items())))
     print("PASS" if not failures else "FAIL: " + "; ".join(failures), flush=True)
 
 
