@@ -36,9 +36,9 @@ torch.set_num_threads(2)
 
 # Under pytest-xdist (./run.sh test, which keeps this order with --no-loadscope-reorder) each worker takes
 # whole files in turn. The slowest go first, longest first (as timed on a 2-core CPU machine), so that the two
-# workers finish close together; the soak test goes last: it checks that no
-# process's memory grows once its load has settled, and beside the interpreted kernel tests on two cores its
-# restarted core came back so late that its warm-up fell inside that window.
+# workers finish close together; the soak test goes last: it checks that no process's memory grows once its
+# load has settled, and beside the interpreted kernel tests on two cores its restarted core came back so late
+# that its warm-up fell inside that window.
 _FIRST = ("test_attention_kernels.py", "test_gguf.py", "test_triton_kernels.py", "test_frontend_load.py",
           "test_http_serve.py", "test_int4_kernels.py", "test_dense_kernel.py")
 _LAST = "test_soak.py"

@@ -129,8 +129,8 @@ class Int4Linear(nn.Module):
     def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(self(x)) where runs_gated(x), SiLU-and-mul in the one-row kernel's epilogue (a gate|up
         projection: the first half of the outputs is the gate)."""
-        return int4_gemv(self._packed_order(x).contiguous(), self.qweight, self.scales, self.zeros, self.group_size, self.bias,
-                         self.counts, gated=True)
+        return int4_gemv(self._packed_order(x).contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
+                         self.bias, self.counts, gated=True)
 
 
 class GGUFLinear(nn.Module):
