@@ -113,7 +113,8 @@ def run_points(core, args, rank: int, ceilings, tp: int) -> list[dict]:
         for i in range(batch):
             core.add_request(f"{batch}-{i}", [rng.randrange(3, 10000) for _ in range(args.context - 64)], sp,
                              time.time())
-        while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        sched = core.scheduler
+        while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
             core.step()
         for _ in range(3):
             core.step()

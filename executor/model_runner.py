@@ -358,14 +358,12 @@ class ModelRunner:
         n, decode = len(batch.req_ids), batch.attn.max_query_len == 1
         if self.graphs is None:
             last = hidden if decode else hidden[batch.logits_indices]
+        elif decode:  # a decode graph's rows are the decode size logit_rows(n) picks
+            last = hidden if padded is None else padded
+        elif batch.logits_indices.data_ptr() != self.bufs.logits_indices.data_ptr():
+            raise RuntimeError("the step was not prepared in the CUDA graphs' input buffers")
         else:
-            rows = self.graphs.logit_rows(n)
-            if decode:
-                last = hidden if padded is None else padded[:rows]
-            elif batch.logits_indices.data_ptr() != self.bufs.logits_indices.data_ptr():
-                raise RuntimeError("the step was not prepared in the CUDA graphs' input buffers")
-            else:
-                last = hidden[self.bufs.logits_indices[:rows]]
+            last = hidden[self.bufs.logits_indices[: self.graphs.logit_rows(n)]]
         return self.model.compute_logits(last, upcast=False)[:n]
 
     @on_device
