@@ -28,9 +28,14 @@ def skip_nested_patching() -> bool:
     modules = (tl, tl.core)  # what _patch_lang patches, as a function's globals name them
     unpatched_load = {id(m): m.load for m in modules}
     state = threading.local()  # .langs: the module ids patched in the running launch (None: no launch)
+    named: dict = {}  # function -> langs_of(function): its globals name the same modules at every call
 
     def langs_of(fn) -> frozenset[int]:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in modules)
+        langs = named.get(fn)
+        if langs is None:
+            langs = named[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                          if inspect.ismodule(v) and v in modules)
+        return langs
 
     def patched(langs) -> bool:
         return all(m.load is not unpatched_load[id(m)] for m in modules if id(m) in langs)
