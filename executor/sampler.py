@@ -85,9 +85,10 @@ def sample(
         final = None  # the scaled, filtered logits: made only when something reads them
         if _has_filters(slots, st):
             final = _apply_filters(processed.float() / _scale(st, idx)[:, None], slots, idx, st)
-            sampled = dispatch.gumbel_sample(final, st.seed.gpu, positions, rows=idx)
+            sampled = dispatch.gumbel_sample(final, st.seed.gpu, positions, rows=idx, counts=st.sample_counts)
         else:  # the kernel reads each row's seed and temperature by slot and scales the row's noise
-            sampled = dispatch.gumbel_sample(processed, st.seed.gpu, positions, st.temperature.gpu, rows=idx)
+            sampled = dispatch.gumbel_sample(processed, st.seed.gpu, positions, st.temperature.gpu, rows=idx,
+                                             counts=st.sample_counts)
             if wants_logprobs.any() and st.processed.np[slots].any():  # read by _logprobs
                 final = processed.float() / _scale(st, idx)[:, None]
         if (temps == 0).any():

@@ -53,6 +53,9 @@ class SamplingState:
         self.processed = t(S, dtype=torch.bool)  # logprobs of processed (True) or raw logits
         self.prompt_logprobs = t(S, dtype=torch.int32)  # -1 = none
         self.staged = [v for v in vars(self).values() if isinstance(v, StagedTensor)]
+        # The sampling kernel's count of each row's finished vocabulary chunks (kernels/sampling.py), zero
+        # between calls: kept here so that no call clears one of its own.
+        self.sample_counts = torch.zeros(S, dtype=torch.int32, device=device)
         # Host only: banned sequences and the token history they are checked against.
         self.bad_words: dict[int, list[list[int]]] = {}  # slot -> token sequences
         self.history: dict[int, list[int]] = {}  # slot -> prompt + outputs, for slots with bad words

@@ -97,6 +97,7 @@ def gumbel_sample_ref(
     positions: torch.Tensor,  # [num_rows] int64
     temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled
     rows: torch.Tensor | None = None,  # [num_rows] int64: seeds and temperature are per slot, read at rows
+    counts: torch.Tensor | None = None,  # gumbel_sample's workspace; the reference has no chunks to count
 ) -> torch.Tensor:  # [num_rows] int64
     """Gumbel-max: argmax(logits + temperature * Gumbel noise) is a sample of softmax(logits / temperature).
     With rows, a temperature of 0 (a greedy row, whose token is the argmax) takes the noise unscaled."""
@@ -237,12 +238,16 @@ def _gumbel_sample_kernel(
     logits_ptr, logits_stride,
     seeds_ptr, positions_ptr, temperature_ptr, rows_ptr,
     part_val_ptr, part_idx_ptr,  # [num_rows, num_chunks]: each chunk's best value and its token
+    out_ptr,  # [num_rows] int64: the sampled tokens
+    count_ptr,  # [num_rows] int32, zero: the chunks of each row done so far (left zero)
     vocab_size, chunk_size, num_chunks,
     HAS_TEMPERATURE: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, APPROX: tl.constexpr,
 ):
     """One program per (row, chunk of the vocabulary), so that small batches
-    still fill the GPU; the launcher picks the first chunk with the largest value.
-    With HAS_ROWS, seeds and temperatures are per slot, read at rows[row]."""
+    still fill the GPU. Each stores its chunk's best value and token; the last
+    of a row's chunks to finish (an atomic count) picks the first chunk with the
+    largest value and writes the row's token. With HAS_ROWS, seeds and
+    temperatures are per slot, read at rows[row]."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     src = tl.load(rows_ptr + row) if HAS_ROWS else row
@@ -274,8 +279,30 @@ def _gumbel_sample_kernel(
         best_idx = tl.where(better, token, best_idx)
     top = tl.max(best, axis=0)
     winner = tl.min(tl.where(best == top, best_idx, vocab_size), axis=0)
-    tl.store(part_val_ptr + row * num_chunks + chunk, top)
-    tl.store(part_idx_ptr + row * num_chunks + chunk, winner.to(tl.int64))
+    if num_chunks == 1:
+        tl.store(out_ptr + row, winner.to(tl.int64))
+    else:
+        tl.store(part_val_ptr + row * num_chunks + chunk, top)
+        tl.store(part_idx_ptr + row * num_chunks + chunk, winner.to(tl.int64))
+        tl.debug_barrier()  # the stores made before the count says so
+        if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == num_chunks - 1:
+            # chunk c's tokens precede chunk c + 1's: the smallest token among the maximal chunks is the
+            # first maximal chunk's, which torch.argmax over the chunks would take
+            row_top = tl.full([], float("-inf"), tl.float32)
+            row_token = tl.zeros([], tl.int64) + vocab_size  # vocab_size may be the constexpr 1
+            for c0 in range(0, num_chunks, BLOCK):
+                c = c0 + offs
+                val = tl.load(part_val_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"),
+                              cache_modifier=".cg")
+                idx = tl.load(part_idx_ptr + row * num_chunks + c, mask=c < num_chunks, other=vocab_size,
+                              cache_modifier=".cg")
+                block_top = tl.max(val, axis=0)
+                block_token = tl.min(tl.where(val == block_top, idx, vocab_size), axis=0)
+                take = (block_top > row_top) | ((block_top == row_top) & (block_token < row_token))
+                row_token = tl.where(take, block_token, row_token)
+                row_top = tl.maximum(row_top, block_top)
+            tl.store(out_ptr + row, row_token)
+            tl.atomic_xchg(count_ptr + row, 0)
 
 
 def _gumbel_num_chunks(num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -290,9 +317,11 @@ def gumbel_sample(
     positions: torch.Tensor,  # [num_rows] int64
     temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled
     rows: torch.Tensor | None = None,  # [num_rows] int64: seeds and temperature are per slot, read at rows
+    counts: torch.Tensor | None = None,  # int32 [>= num_rows], zero, left zero: a buffer kept from call to call
 ) -> torch.Tensor:  # [num_rows] int64
     """Triton version of gumbel_sample_ref: argmax(logits + temperature *
-    Gumbel noise), noise from the same hash, in one pass over the logits."""
+    Gumbel noise), noise from the same hash, in one pass over the logits and
+    one launch (without counts, a zeroed buffer is made for the call)."""
     num_rows, vocab_size = logits.shape
     assert logits.stride(-1) == 1
     if num_rows == 0:
@@ -300,15 +329,18 @@ def gumbel_sample(
     num_chunks = _gumbel_num_chunks(num_rows, vocab_size, logits.device)
     chunk_size = -(-vocab_size // (num_chunks * _VOCAB_BLOCK)) * _VOCAB_BLOCK
     num_chunks = -(-vocab_size // chunk_size)
-    part_val = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_chunks == 1:  # each row's one program writes its token: no partials, no counts
+        part_val, part_idx, counts = out, out, out
+    else:
+        part_val = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+        part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+        if counts is None or counts.numel() < num_rows:
+            counts = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
     _gumbel_sample_kernel[(num_rows, num_chunks)](
         logits, logits.stride(0), seeds, positions, logits if temperature is None else temperature,
-        positions if rows is None else rows, part_val, part_idx, vocab_size, chunk_size, num_chunks,
+        positions if rows is None else rows, part_val, part_idx, out, counts, vocab_size, chunk_size, num_chunks,
         HAS_TEMPERATURE=temperature is not None, HAS_ROWS=rows is not None, BLOCK=_VOCAB_BLOCK,
         APPROX=logits.is_cuda, num_warps=8,
     )
-    if num_chunks == 1:
-        return part_idx[:, 0]
-    # torch.argmax takes the first maximal chunk: the smallest token among equal values.
-    return part_idx.gather(1, part_val.argmax(dim=1, keepdim=True))[:, 0]
+    return out

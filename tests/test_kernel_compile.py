@@ -39,10 +39,13 @@ print(json.dumps(failed))
 """
 
 
-def _describe(fn, args: tuple, kwargs: dict) -> dict:
+def _describe(fn, args: tuple, kwargs: dict, unspecialized=()) -> dict:
     """A launch as the compiler takes it: each argument's type, the constexprs' values (the GPU's where
-    GPU_CONSTEXPRS names them) and the compile options."""
+    GPU_CONSTEXPRS names them) and the compile options. An integer argument equal to 1 is a constexpr, as
+    Triton's launcher makes it, unless the kernel's do_not_specialize (unspecialized) names it."""
     params = inspect.signature(fn).parameters
+    names = list(params)
+    unspecialized = {names[u] if isinstance(u, int) else u for u in unspecialized}
     options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
     if "launch_pdl" in options or "PDL" in params:
         options["launch_pdl"] = True
@@ -57,6 +60,9 @@ def _describe(fn, args: tuple, kwargs: dict) -> dict:
             signature[name] = "*" + _TYPES[value.dtype]
         elif isinstance(value, bool):
             signature[name] = "i1"
+        elif isinstance(value, int) and value == 1 and name not in unspecialized:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
         elif isinstance(value, int):
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
         elif isinstance(value, float):
@@ -75,7 +81,7 @@ def launches(monkeypatch):
     seen: list[dict] = []
 
     def record(self, *args, grid, warmup, **kwargs):
-        seen.append(_describe(self.fn, args, kwargs))
+        seen.append(_describe(self.fn, args, kwargs, self.kwargs.get("do_not_specialize") or ()))
 
     monkeypatch.setattr(InterpretedFunction, "run", record)
     return seen
@@ -121,6 +127,7 @@ def test_attention_and_sampling_kernels_compile_for_hopper(launches):
         decode_attention(qkv, positions, cos_sin, *weights, 1e-6, kv, slots, 16, qsl, lens, tables, 0.08, 300,
                          splits)
     gumbel_sample(torch.zeros(3, 1000), torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), torch.ones(3))
+    gumbel_sample(torch.zeros(1, 1), torch.tensor([1]), torch.tensor([4]))  # a vocabulary of one: a constexpr 1
 
     names = {k["name"] for k in launches}
     assert {"_paged_attention_kernel", "_paged_decode_kernel", "_paged_decode_reduce_kernel"} <= names, names

@@ -264,6 +264,24 @@ def test_gumbel_sample_all_banned_row_is_token_0():
     assert got.tolist() == gumbel_sample_ref(logits, seeds, positions).tolist() == [0, 1234]
 
 
+def test_gumbel_sample_counts_buffer_is_left_zero():
+    """A counts buffer kept from call to call (the sampler's): calls of several row and chunk counts each
+    sample what a call with a buffer of its own samples, the first maximal chunk's token on ties across chunks,
+    and leave every count at zero for the next."""
+    counts = torch.zeros(40, dtype=torch.int32, device=DEVICE)
+    for i, (rows, vocab) in enumerate([(1, 9000), (3, 5000), (33, 4099), (2, 1000), (40, 20000)]):
+        g = _gen(8, rows, vocab)
+        logits = torch.randn(rows, vocab, generator=g) * 2
+        logits[0, [vocab // 3, vocab - 1]] = float("inf")  # tied, in different chunks when there are several
+        seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g)
+        positions = torch.randint(0, 2**20, (rows,), generator=g)
+        args = [t.to(DEVICE) for t in (logits, seeds, positions)]
+        got = gumbel_sample(*args, counts=counts).cpu()
+        assert got.tolist() == gumbel_sample(*args).cpu().tolist(), i
+        assert got[0] == vocab // 3
+        assert not counts.any(), i
+
+
 @pytest.mark.parametrize("widths, block_size, heads, head_dim", [
     ([1], 4, 1, 8), ([2, 4], 8, 2, 16), ([4, 3, 1], 16, 2, 64), ([8], 16, 1, 32), ([5, 2], 4, 3, 24),
 ])
