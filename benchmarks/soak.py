@@ -18,7 +18,10 @@ one through the openai client with a 120 s timeout, drawn at random
 - 10% of the streamed ones disconnect after two chunks;
 - 1% an invalid body (temperature -1), which must get a 400.
 At a fifth of the time one API server is killed (SIGKILL), at two fifths the
-core; the rest of the run is steady load again. Each request ends as one of:
+core; the rest of the run is steady load again. Where the restarted core is
+slow to serve again, the load goes on past --minutes (up to twice as long)
+until the memory check below has a sample 10 s or more into its window.
+Each request ends as one of:
   ok           the full output: every choice finished ("length" with all of
                max_tokens, or "stop"), and for streams [DONE] after it;
   refused      an HTTP error with a message (400 for the invalid bodies; 503
@@ -153,7 +156,7 @@ def _soak(serve: _Serve, args) -> dict:
     results: list[dict] = []
     lock = threading.Lock()
     stop = threading.Event()
-    threads = [threading.Thread(target=_client, args=(serve.base_url, random.Random(args.seed + i), end, long_prompt,
+    threads = [threading.Thread(target=_client, args=(serve.base_url, random.Random(args.seed + i), long_prompt,
                                                       long_chat, results, lock, stop), daemon=True)
                for i in range(args.clients)]
     for t in threads:
@@ -162,8 +165,15 @@ def _soak(serve: _Serve, args) -> dict:
     faults = [(FAULT_AT[0], "api"), (FAULT_AT[1], "core")]
     events = []
     next_sample = start
-    while time.monotonic() < end:
+    while True:
         now = time.monotonic()
+        if now >= end + args.minutes * 60:  # twice the run: the memory check says what it could not compare
+            break
+        if now >= end:
+            with lock:
+                steady = _steady_from(results, events, start, end)
+            if now - start >= steady + 10:  # a periodic sample in the window; the last comes after the loop
+                break
         if faults and now - start >= faults[0][0] * (end - start):
             _, role = faults.pop(0)
             victim = next(pid for pid, r in sorted(serve.children().items()) if r == role)
@@ -176,6 +186,7 @@ def _soak(serve: _Serve, args) -> dict:
                 if rss is not None:
                     memory.setdefault(pid, []).append((now - start, rss, role))
         time.sleep(0.1)
+    load_s = time.monotonic() - start
     stop.set()
     for t in threads:
         t.join(TIMEOUT + 10)
@@ -184,7 +195,7 @@ def _soak(serve: _Serve, args) -> dict:
         rss = _rss_mib(pid)
         if rss is not None:
             memory.setdefault(pid, []).append((time.monotonic() - start, rss, role))
-    steady = max(STEADY_FROM * (end - start), _back_at(results, events, start) + SETTLE_S)
+    steady = _steady_from(results, events, start, end)
     alive = set(serve.children()) | {serve.proc.pid}
     growth, unchecked = {}, []
     for pid, samples in memory.items():
@@ -193,9 +204,15 @@ def _soak(serve: _Serve, args) -> dict:
             growth[f"{samples[0][2]} {pid}"] = round(later[-1][1] / later[0][1] - 1, 4)
         elif pid in alive:
             unchecked.append(f"{samples[0][2]} {pid}")
-    return {"minutes": args.minutes, "clients": args.clients, "events": events, "requests": results,
+    return {"minutes": args.minutes, "load_s": round(load_s, 1), "clients": args.clients,
+            "events": events, "requests": results,
             "hung_threads": hung_threads, "rss_growth": growth, "rss_from": round(steady, 1),
             "rss_unchecked": unchecked, "kv": asyncio.run(_kv_state(serve.core_address))}
+
+
+def _steady_from(results: list[dict], events: list[dict], start: float, end: float) -> float:
+    """Seconds into the run from which resident memory is compared."""
+    return max(STEADY_FROM * (end - start), _back_at(results, events, start) + SETTLE_S)
 
 
 def _back_at(results: list[dict], events: list[dict], start: float) -> float:
@@ -259,10 +276,10 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
-def _client(base_url: str, rng: random.Random, end: float, long_prompt: list[int], long_chat: str, results: list,
-            lock, stop) -> None:
+def _client(base_url: str, rng: random.Random, long_prompt: list[int], long_chat: str, results: list, lock,
+            stop) -> None:
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=TIMEOUT)
-    while time.monotonic() < end and not stop.is_set():
+    while not stop.is_set():
         kind = _draw(rng)
         t0 = time.monotonic()
         try:
@@ -360,7 +377,8 @@ def _check(report: dict) -> list[str]:
 
 def _print(report: dict, failures: list[str]) -> None:
     reqs = report["requests"]
-    print(f"soak: {report['minutes']:g} min, {report['clients']} clients, {len(reqs)} requests; faults: "
+    print(f"soak: {report['minutes']:g} min (load for {report['load_s']:g} s), {report['clients']} clients, "
+          f"{len(reqs)} requests; faults: "
           + ", ".join(f"{e['killed']} (pid {e['pid']}) at {e['at']}s" for e in report["events"]))
     outcomes = Counter(r["outcome"] for r in reqs)
     print("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
