@@ -329,14 +329,13 @@ def gumbel_sample(
     num_chunks = _gumbel_num_chunks(num_rows, vocab_size, logits.device)
     chunk_size = -(-vocab_size // (num_chunks * _VOCAB_BLOCK)) * _VOCAB_BLOCK
     num_chunks = -(-vocab_size // chunk_size)
+    # The arguments keep their dtypes whatever the chunk count, so a batch size first met mid-run compiles
+    # nothing; with one chunk a row's program writes its token and neither partials nor counts are read.
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_chunks == 1:  # each row's one program writes its token: no partials, no counts
-        part_val, part_idx, counts = out, out, out
-    else:
-        part_val = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-        part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
-        if counts is None or counts.numel() < num_rows:
-            counts = torch.zeros(num_rows, dtype=torch.int32, device=logits.device)
+    part_val = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+    if counts is None or counts.numel() < num_rows:
+        counts = torch.zeros(num_rows if num_chunks > 1 else 0, dtype=torch.int32, device=logits.device)
     _gumbel_sample_kernel[(num_rows, num_chunks)](
         logits, logits.stride(0), seeds, positions, logits if temperature is None else temperature,
         positions if rows is None else rows, part_val, part_idx, out, counts, vocab_size, chunk_size, num_chunks,
