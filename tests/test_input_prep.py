@@ -161,3 +161,28 @@ def test_advance_slots(fn, num_samples):
     args = (idx_mapping, seq_lens, sample_rows, sampled)
     fn(*(t.to(DEVICE) for t in args), got_computed, got_ids)
     assert torch.equal(got_computed.cpu(), want_computed) and torch.equal(got_ids.cpu(), want_ids)
+
+
+@pytest.mark.parametrize("fn", [advance_slots, advance_slots_ref])
+def test_advance_slots_padded_rows_count_on_device(fn):
+    """With num_rows (a CUDA graph's padded batch), only the rows before it move, each writing its token;
+    the padding rows, whose slot reads 0 as the step's upload leaves them, touch nothing."""
+    g = torch.Generator().manual_seed(3)
+    num_slots, width, n, size = 12, 40, 3, 8
+    idx_mapping = torch.zeros(size, dtype=torch.int64)
+    idx_mapping[:n] = torch.tensor([5, 9, 2])
+    seq_lens = torch.ones(size, dtype=torch.int32)
+    seq_lens[:n] = torch.tensor([7, 30, 12], dtype=torch.int32)
+    sample_rows = torch.zeros(size, dtype=torch.int64)
+    sample_rows[:n] = torch.arange(n)
+    sampled = torch.randint(0, 50_000, (size,), generator=g)
+    num_computed = torch.randint(0, 9, (num_slots,), generator=g, dtype=torch.int32)
+    token_ids = torch.randint(0, 50_000, (num_slots, width), generator=g, dtype=torch.int32)
+    want_computed, want_ids = num_computed.clone(), token_ids.clone()
+    for r in range(n):
+        want_computed[idx_mapping[r]] = seq_lens[r]
+        want_ids[idx_mapping[r], seq_lens[r]] = int(sampled[r])
+    got_computed, got_ids = num_computed.to(DEVICE), token_ids.to(DEVICE)
+    args = (idx_mapping, seq_lens, sample_rows, sampled)
+    fn(*(t.to(DEVICE) for t in args), got_computed, got_ids, num_rows=torch.tensor(n, dtype=torch.int32).to(DEVICE))
+    assert torch.equal(got_computed.cpu(), want_computed) and torch.equal(got_ids.cpu(), want_ids)
