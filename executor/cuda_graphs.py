@@ -20,6 +20,13 @@ A decode graph's rows can also be sampled by a graph of their own
 (capture_sampling: the LM head, the sampling kernel and the slots' advance),
 so that a step whose rows all sample straight from their logits costs the
 host two launches in all; other steps sample eagerly from the same output.
+
+Every graph captured here launches its Triton kernels with programmatic
+dependent launch (kernels/device.py: pdl). On an H100, capturing even one
+graph with no such kernel (a lone add_, or the sampling graph before its
+kernels used PDL) stopped the decode graphs' kernels from overlapping each
+other's launch: a 64-row step at context 1024 took about 110 us longer, as
+with HEADRACE_PDL=0 (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 

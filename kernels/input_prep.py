@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from headrace.kernels.device import pdl_args, wait_for_previous
+
 
 def prepare_inputs_ref(
     idx_mapping: torch.Tensor,  # [num_reqs] int64, batch row -> slot
@@ -148,9 +150,11 @@ def advance_slots_ref(
 
 @triton.jit(do_not_specialize=["num_samples"])
 def _advance_slots_kernel(idx_mapping_ptr, seq_lens_ptr, sample_rows_ptr, sampled_ptr, num_computed_ptr,
-                          token_ids_ptr, token_ids_stride, num_samples, num_rows_ptr, ROWS_ON_DEVICE: tl.constexpr):
+                          token_ids_ptr, token_ids_stride, num_samples, num_rows_ptr, ROWS_ON_DEVICE: tl.constexpr,
+                          PDL: tl.constexpr):
     """Program r sets row r's computed count and, if r < num_samples, writes sample r's token. With
     ROWS_ON_DEVICE the batch's rows are num_rows_ptr's count (programs past it return) and each samples."""
+    wait_for_previous(PDL)
     r = tl.program_id(0)
     if ROWS_ON_DEVICE:
         num_samples = tl.load(num_rows_ptr)
@@ -172,4 +176,5 @@ def advance_slots(idx_mapping, seq_lens, sample_rows, sampled, num_computed, tok
     if idx_mapping.shape[0]:
         _advance_slots_kernel[(idx_mapping.shape[0],)](
             idx_mapping, seq_lens, sample_rows, sampled, num_computed, token_ids, token_ids.stride(0),
-            sample_rows.shape[0], seq_lens if num_rows is None else num_rows, ROWS_ON_DEVICE=num_rows is not None)
+            sample_rows.shape[0], seq_lens if num_rows is None else num_rows, ROWS_ON_DEVICE=num_rows is not None,
+            **pdl_args(idx_mapping.device))

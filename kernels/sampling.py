@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import num_sms
+from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27, so (x < 2**32) * _MUL < 2**59
@@ -268,6 +268,7 @@ def _gumbel_sample_kernel(
     count_ptr,  # [num_rows] int32, zero: the chunks of each row done so far (left zero)
     vocab_size, chunk_size, num_chunks,
     HAS_TEMPERATURE: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, APPROX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, chunk of the vocabulary), so that small batches
     still fill the GPU. Each stores its chunk's best value and token; the last
@@ -275,6 +276,7 @@ def _gumbel_sample_kernel(
     largest value and writes the row's token. With HAS_ROWS, seeds and
     temperatures are per slot, read at rows[row], and a slot's temperature 0
     (a greedy row) takes the argmax of the logits: no noise is made for it."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     src = tl.load(rows_ptr + row) if HAS_ROWS else row
@@ -356,6 +358,6 @@ def gumbel_sample(
         logits, logits.stride(0), seeds, positions, logits if temperature is None else temperature,
         positions if rows is None else rows, part_val, part_idx, out, counts, vocab_size, chunk_size, num_chunks,
         HAS_TEMPERATURE=temperature is not None, HAS_ROWS=rows is not None, BLOCK=_VOCAB_BLOCK,
-        APPROX=logits.is_cuda, num_warps=8,
+        APPROX=logits.is_cuda, num_warps=8, **pdl_args(logits.device),
     )
     return out
