@@ -4,8 +4,10 @@
 
 For each point, `batch` requests (temperature 0.6) are prefilled and then timed over overlapped
 decode steps, three times with the decode steps sampled in their graphs (StepGraphs.run_sampled) and
-three times eagerly from the same process's graphs, alternating; ms a step. Across processes the
-steps move by more than the difference measured here, which is why both sides share one.
+three times eagerly from the same process's graphs, alternating; ms a step. Both sides share one
+process because a few-row step's time follows its process's host speed, which differs from process to
+process by more than the difference measured here (HEADRACE_SAMPLING_GRAPHS=0 gives the other side a
+process of its own).
 """
 from __future__ import annotations
 

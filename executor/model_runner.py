@@ -184,7 +184,8 @@ class ModelRunner:
             self.bufs = InputBuffers(S, max(sched_cfg.max_num_batched_tokens, S), max_blocks_per_req, self.device)
             self.graphs = StepGraphs(self.model, self.bufs, sched_cfg.max_num_batched_tokens,
                                      sched_cfg.max_model_len, self.device)
-            if tp.size == 1:  # under tensor parallelism the LM head's gather stays out of the sampling graphs
+            # Under tensor parallelism the LM head's gather stays out of the sampling graphs.
+            if tp.size == 1 and envs.sampling_graphs():
                 self.graphs.capture_sampling(self._sample_decode)
             self.lap("cuda graphs")
 

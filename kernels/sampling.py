@@ -352,8 +352,10 @@ def gumbel_sample(
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     part_val = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
-    if counts is None or counts.numel() < num_rows:
+    if counts is None:
         counts = torch.zeros(num_rows if num_chunks > 1 else 0, dtype=torch.int32, device=logits.device)
+    elif counts.numel() < num_rows:
+        raise ValueError(f"gumbel_sample: counts holds {counts.numel()} entries for {num_rows} rows")
     _gumbel_sample_kernel[(num_rows, num_chunks)](
         logits, logits.stride(0), seeds, positions, logits if temperature is None else temperature,
         positions if rows is None else rows, part_val, part_idx, out, counts, vocab_size, chunk_size, num_chunks,

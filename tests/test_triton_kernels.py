@@ -285,6 +285,9 @@ def test_gumbel_sample_counts_buffer_is_left_zero():
         assert ((got == gumbel_sample_ref(logits, seeds, positions)) | _near_ties(logits, seeds, positions)).all(), i
         assert got[0] == vocab // 3
         assert not counts.any(), i
+    with pytest.raises(ValueError, match="counts holds 40 entries for 41 rows"):
+        gumbel_sample(torch.zeros(41, 100, device=DEVICE), torch.arange(41, device=DEVICE),
+                      torch.arange(41, device=DEVICE), counts=counts)
 
 
 @pytest.mark.parametrize("widths, block_size, heads, head_dim", [
