@@ -58,6 +58,12 @@ def fused_decode() -> bool:
     return _switch("HEADRACE_FUSED_DECODE")
 
 
+def sampling_graphs() -> bool:
+    """HEADRACE_SAMPLING_GRAPHS: 0 samples every decode step eagerly after its graph (default 1: a
+    step whose rows all sample straight from their logits samples in a CUDA graph of its own)."""
+    return _switch("HEADRACE_SAMPLING_GRAPHS")
+
+
 def pdl() -> bool:
     """HEADRACE_PDL: 0 launches the Triton kernels without programmatic dependent
     launch (default 1: on a GPU that has it, compute capability 9.0 and up)."""

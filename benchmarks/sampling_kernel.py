@@ -4,11 +4,11 @@
 
 Each call samples one token per row from bf16 logits [rows, vocab] (Qwen3's vocabulary by default) at
 the given temperature, with per-row seeds: `gumbel_sample` on the rows' own seeds and temperatures, and
-"by slot" as the sampler calls it (seeds and temperatures read at each row's slot, a kept counts buffer).
-The floor is the logits' bytes at the copy rate measured in the same run. The peer is the usual torch
-sampler: softmax(logits / temperature) divided by exponential noise drawn in place, argmax (no per-row
-seeds). Microseconds per call, from CUDA-graph replays over enough copies of the logits that they do not
-stay in L2.
+"by slot" as the sampler and the sampling graphs call it (seeds and temperatures read at each row's slot,
+a kept counts buffer). The floor is the logits' bytes at the copy rate measured in the same run. The peer
+is the usual torch sampler: softmax(logits / temperature) divided by exponential noise drawn in place,
+argmax (no per-row seeds). Microseconds per call, from CUDA-graph replays over enough copies of the logits
+that they do not stay in L2.
 """
 from __future__ import annotations
 

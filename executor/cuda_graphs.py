@@ -15,6 +15,18 @@ captured for min(max_num_seqs, T) rows: tokens t..T-1 belong to no row
 is captured with bounds that hold for any step (max_seq_len =
 max_model_len; a mixed graph's max_query_len = T), so one graph serves
 every context length and layout.
+
+A decode graph's rows can also be sampled by a graph of their own
+(capture_sampling: the LM head, the sampling kernel and the slots' advance),
+so that a step whose rows all sample straight from their logits costs the
+host two launches in all; other steps sample eagerly from the same output.
+
+Every graph captured here launches its Triton kernels with programmatic
+dependent launch (kernels/device.py: pdl). On an H100, capturing even one
+graph with no such kernel (a lone add_, or the sampling graph before its
+kernels used PDL) stopped the decode graphs' kernels from overlapping each
+other's launch: a 64-row step at context 1024 took about 110 us longer, as
+with HEADRACE_PDL=0 (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -76,8 +88,9 @@ class StepGraphs:
         self.decode_starts = torch.arange(S + 1, dtype=torch.int32, device=device)  # [S + 1]: one query a row
         self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # rows -> graph, output
         self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens -> graph, output
+        self.sampling: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # rows -> graph, tokens
         self.max_rows = S
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool = torch.cuda.graph_pool_handle()
         # A captured matmul bakes in the cuBLAS workspace of the stream it was
         # captured on. Every warm-up and capture runs on this engine's own
         # stream, whose workspace torch keeps (and clear_cublas_workspaces
@@ -122,15 +135,28 @@ class StepGraphs:
         # Captured with every row empty (or, for decode, writing nothing), so
         # the warm-up runs touch no cache.
         args = (self.bufs.input_ids[:tokens], self.bufs.positions[:tokens], meta)
+        return self._capture_fn(lambda: self.model(*args), pool)
+
+    def _capture_fn(self, fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.model(*args)  # warm-up: Triton compiles and autotunes outside the capture
+            fn()  # warm-up: Triton compiles and autotunes outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = self.model(*args)
+            out = fn()
         torch.cuda.current_stream().wait_stream(stream)
         return graph, out
+
+    def capture_sampling(self, sample) -> None:
+        """For each decode size b, a graph of sample(hidden [b, H] (the decode graph's output), b) -> [b]
+        tokens. It runs after the decode graph and must leave padding rows' state alone (the buffers
+        say the step's row count: query_start_loc[b]). Captured while every row is padding, so the
+        warm-up runs change nothing."""
+        with torch.inference_mode():
+            for rows in reversed(self._decode_sizes):
+                hidden = self.decode[rows][1]
+                self.sampling[rows] = self._capture_fn(lambda: sample(hidden, rows), self.pool)
 
     def fits(self, batch: InputBatch) -> bool:
         """Whether a graph is large enough. Rows always fit: a step has at most
@@ -155,3 +181,15 @@ class StepGraphs:
         graph, out = (self.decode if decode else self.mixed)[size]
         graph.replay()
         return out
+
+    def run_sampled(self, batch: InputBatch) -> torch.Tensor:  # [num_rows] int64
+        """A decode step through its graph, then the sampling graph of the same size (capture_sampling):
+        the rows' tokens, the slots already advanced on the device."""
+        size = self.run(batch).shape[0]
+        graph, tokens = self.sampling[size]
+        graph.replay()
+        return tokens[: len(batch.req_ids)]
+
+    def samples(self, batch: InputBatch) -> bool:
+        """Whether run_sampled can take the step: a decode step a graph fits, with sampling captured."""
+        return bool(self.sampling) and batch.attn.max_query_len == 1 and self.fits(batch)

@@ -21,7 +21,7 @@ from headrace.executor.logits_processors import load_logits_processors
 from headrace.executor.models.loader import load_model
 from headrace.executor.models.quant import resolve_quantization
 from headrace.executor.parallel import TPGroup, local_kv_heads
-from headrace.executor.sampler import SampledLogprobs, sample
+from headrace.executor.sampler import SampledLogprobs, plain_rows, sample, sample_by_slot
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 from headrace.kernels import dispatch
@@ -184,6 +184,9 @@ class ModelRunner:
             self.bufs = InputBuffers(S, max(sched_cfg.max_num_batched_tokens, S), max_blocks_per_req, self.device)
             self.graphs = StepGraphs(self.model, self.bufs, sched_cfg.max_num_batched_tokens,
                                      sched_cfg.max_model_len, self.device)
+            # Under tensor parallelism the LM head's gather stays out of the sampling graphs.
+            if tp.size == 1 and envs.sampling_graphs():
+                self.graphs.capture_sampling(self._sample_decode)
             self.lap("cuda graphs")
 
     @on_device
@@ -321,6 +324,12 @@ class ModelRunner:
                        self.kv, self.block_size)
 
         batch = prepare_inputs(states, sched.num_scheduled_tokens, self.block_size, self.device, self.bufs)
+        if (self.graphs is not None and not sched.beam_selects and self.graphs.samples(batch)
+                and len(batch.sample_rows_np) == len(batch.req_ids)
+                and plain_rows(batch.idx_mapping_np, states.sampling, self.processors)):
+            sampled = self.graphs.run_sampled(batch)  # the slots advanced there too
+            self._advance(batch, None)
+            return self._pending(batch, sampled, None, {}, None)
         padded = None  # a CUDA graph's whole output: its rows past the batch's tokens are padding
         if self.graphs is not None and self.graphs.fits(batch):
             padded = self.graphs.run(batch)
@@ -334,6 +343,10 @@ class ModelRunner:
             beams = select_beams(logits.float(), batch, states, self.beam, sched.beam_selects)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         self._advance(batch, sampled)
+        return self._pending(batch, sampled, logprobs, prompt_logprobs, beams)
+
+    def _pending(self, batch, sampled, logprobs, prompt_logprobs, beams) -> PendingOutput:
+        """Queue the host copies of a step's outputs, and the event that says they are done."""
         pending = PendingOutput(
             req_ids=batch.req_ids,
             slots=batch.idx_mapping_np,
@@ -347,6 +360,18 @@ class ModelRunner:
             pending.ready = torch.cuda.Event()
             pending.ready.record()
         return pending
+
+    def _sample_decode(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:  # [rows] int64
+        """What a decode graph's sampling graph runs (StepGraphs.capture_sampling) on hidden [rows, H]: the
+        LM head, sample_by_slot from the step's buffers, and the slots' advance for the step's rows."""
+        b = self.bufs
+        logits = self.model.compute_logits(hidden, upcast=False)
+        idx = b.views["idx_mapping"][:rows]
+        sampled = sample_by_slot(logits, idx, b.views["sample_positions"][:rows], self.states.sampling)
+        dispatch.advance_slots(idx, b.seq_lens[:rows], b.views["sample_rows"][:rows], sampled,
+                               self.states.num_computed.gpu, self.states.token_ids.gpu,
+                               num_rows=b.query_start_loc[rows])
+        return sampled
 
     def _logits(self, batch: InputBatch, hidden: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
         """The LM head on each row's last hidden state -> [rows, vocab] in the head's dtype. With CUDA graphs
@@ -417,16 +442,18 @@ class ModelRunner:
                                         dispatch.token_ranks(logits, targets))
         return result
 
-    def _advance(self, batch, sampled: torch.Tensor) -> None:
+    def _advance(self, batch, sampled: torch.Tensor | None) -> None:
         """Move each slot past this step on the device and the host: computed
         counts grow by the scheduled tokens, and rows that computed their
         last known token append the sampled one on the device (the next step
-        reads it there); the host counts it before knowing its value."""
+        reads it there); the host counts it before knowing its value. With
+        sampled None, a sampling graph has made the device's part."""
         states = self.states
         slots = batch.idx_mapping_np
         states.num_computed.np[slots] = batch.seq_lens_np
-        dispatch.advance_slots(batch.idx_mapping, batch.attn.seq_lens, batch.sample_rows, sampled,
-                               states.num_computed.gpu, states.token_ids.gpu)
+        if sampled is not None:
+            dispatch.advance_slots(batch.idx_mapping, batch.attn.seq_lens, batch.sample_rows, sampled,
+                                   states.num_computed.gpu, states.token_ids.gpu)
         states.num_tokens[slots[batch.sample_rows_np]] += 1
 
     def _record(self, pending: PendingOutput, sampled: list[int]) -> None:

@@ -86,16 +86,29 @@ def sample(
         if _has_filters(slots, st):
             final = _apply_filters(processed.float() / _scale(st, idx)[:, None], slots, idx, st)
             sampled = dispatch.gumbel_sample(final, st.seed.gpu, positions, rows=idx, counts=st.sample_counts)
-        else:  # the kernel reads each row's seed and temperature by slot and scales the row's noise
-            sampled = dispatch.gumbel_sample(processed, st.seed.gpu, positions, st.temperature.gpu, rows=idx,
-                                             counts=st.sample_counts)
+            if (temps == 0).any():
+                sampled = torch.where(st.temperature.gpu[idx] == 0, processed.argmax(dim=-1), sampled)
+        else:
+            sampled = sample_by_slot(processed, idx, positions, st)
             if wants_logprobs.any() and st.processed.np[slots].any():  # read by _logprobs
                 final = processed.float() / _scale(st, idx)[:, None]
-        if (temps == 0).any():
-            sampled = torch.where(st.temperature.gpu[idx] == 0, processed.argmax(dim=-1), sampled)
     if not wants_logprobs.any():
         return sampled, None
     return sampled, pack_logprobs(logits, final, sampled, slots, idx, st)
+
+
+def sample_by_slot(logits: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor, st: SamplingState) -> torch.Tensor:
+    """Each row's token from logits the sampler leaves as they are: the kernel reads the row's seed and
+    temperature at its slot, scales the row's noise, and takes the argmax for a greedy row. Nothing here
+    depends on the host, so the decode graphs capture it (StepGraphs.capture_sampling)."""
+    return dispatch.gumbel_sample(logits, st.seed.gpu, positions, st.temperature.gpu, rows=idx,
+                                  counts=st.sample_counts)
+
+
+def plain_rows(slots: np.ndarray, st: SamplingState, processors) -> bool:
+    """Whether every row of the batch samples straight from its logits (sample_by_slot): no processing,
+    no filter and no logprobs anywhere in the batch."""
+    return not processors and bool(st.plain[slots].all())
 
 
 def _scale(st: SamplingState, idx: torch.Tensor) -> torch.Tensor:  # [num_rows] float32

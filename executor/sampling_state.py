@@ -56,6 +56,8 @@ class SamplingState:
         # The sampling kernel's count of each row's finished vocabulary chunks (kernels/sampling.py), zero
         # between calls: kept here so that no call clears one of its own.
         self.sample_counts = torch.zeros(S, dtype=torch.int32, device=device)
+        # Host only: whether a slot's request samples straight from its logits (sampler.plain_rows).
+        self.plain = np.zeros(S, dtype=bool)
         # Host only: banned sequences and the token history they are checked against.
         self.bad_words: dict[int, list[list[int]]] = {}  # slot -> token sequences
         self.history: dict[int, list[int]] = {}  # slot -> prompt + outputs, for slots with bad words
@@ -101,8 +103,14 @@ class SamplingState:
         if sp.bad_words_token_ids:
             self.bad_words[slot] = sp.bad_words_token_ids
             self.history[slot] = list(token_ids)
+        self.plain[slot] = not (
+            sp.allowed_token_ids is not None or sp.bad_words_token_ids or sp.min_tokens or bias
+            or sp.repetition_penalty != 1 or sp.presence_penalty != 0 or sp.frequency_penalty != 0
+            or sp.top_k > 0 or sp.top_p < 1 or sp.min_p > 0 or ranked or sp.num_logprobs is not None
+            or sp.prompt_logprobs is not None or sp.use_beam_search)
 
     def remove(self, slot: int) -> None:
+        self.plain[slot] = False
         self.bad_words.pop(slot, None)
         self.history.pop(slot, None)
 

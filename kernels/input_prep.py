@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from headrace.kernels.device import pdl_args, wait_for_previous
+
 
 def prepare_inputs_ref(
     idx_mapping: torch.Tensor,  # [num_reqs] int64, batch row -> slot
@@ -132,10 +134,15 @@ def advance_slots_ref(
     sampled: torch.Tensor,  # [num_reqs] int64, each row's sampled token (read at sample_rows)
     num_computed: torch.Tensor,  # [num_slots] int32, updated
     token_ids: torch.Tensor,  # [num_slots, max_model_len] int32, updated
+    num_rows: torch.Tensor | None = None,  # int32 scalar: the batch's rows, the rest padding
 ) -> None:
     """Move each row's slot past a step: it has computed seq_lens tokens, and a
     sampling row's token goes into its slot's token ids at position seq_lens,
-    where the next step's prepare_inputs reads it."""
+    where the next step's prepare_inputs reads it. With num_rows (advance_slots'),
+    the rows before it, each a sampling row."""
+    if num_rows is not None:
+        n = int(num_rows)
+        idx_mapping, seq_lens, sample_rows = idx_mapping[:n], seq_lens[:n], sample_rows[:n]
     num_computed[idx_mapping] = seq_lens
     if sample_rows.numel():
         token_ids[idx_mapping[sample_rows], seq_lens[sample_rows].long()] = sampled[sample_rows].to(token_ids.dtype)
@@ -143,9 +150,16 @@ def advance_slots_ref(
 
 @triton.jit(do_not_specialize=["num_samples"])
 def _advance_slots_kernel(idx_mapping_ptr, seq_lens_ptr, sample_rows_ptr, sampled_ptr, num_computed_ptr,
-                          token_ids_ptr, token_ids_stride, num_samples):
-    """Program r sets row r's computed count and, if r < num_samples, writes sample r's token."""
+                          token_ids_ptr, token_ids_stride, num_samples, num_rows_ptr, ROWS_ON_DEVICE: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Program r sets row r's computed count and, if r < num_samples, writes sample r's token. With
+    ROWS_ON_DEVICE the batch's rows are num_rows_ptr's count (programs past it return) and each samples."""
+    wait_for_previous(PDL)
     r = tl.program_id(0)
+    if ROWS_ON_DEVICE:
+        num_samples = tl.load(num_rows_ptr)
+        if r >= num_samples:
+            return
     slot = tl.load(idx_mapping_ptr + r)
     tl.store(num_computed_ptr + slot, tl.load(seq_lens_ptr + r))
     if r < num_samples:
@@ -154,9 +168,13 @@ def _advance_slots_kernel(idx_mapping_ptr, seq_lens_ptr, sample_rows_ptr, sample
         tl.store(token_ids_ptr + dst, tl.load(sampled_ptr + row).to(token_ids_ptr.dtype.element_ty))
 
 
-def advance_slots(idx_mapping, seq_lens, sample_rows, sampled, num_computed, token_ids) -> None:
-    """Triton version of advance_slots_ref: one launch instead of half a dozen ops."""
+def advance_slots(idx_mapping, seq_lens, sample_rows, sampled, num_computed, token_ids, num_rows=None) -> None:
+    """Triton version of advance_slots_ref: one launch instead of half a dozen ops. With num_rows, an int32
+    device scalar (a CUDA graph's padded batch, which reads the count where input preparation wrote it),
+    only rows before it are moved, and every one of them samples (sample_rows holds at least num_rows)."""
     assert token_ids.stride(1) == 1 and sample_rows.shape[0] <= idx_mapping.shape[0]
     if idx_mapping.shape[0]:
-        _advance_slots_kernel[(idx_mapping.shape[0],)](idx_mapping, seq_lens, sample_rows, sampled, num_computed,
-                                                       token_ids, token_ids.stride(0), sample_rows.shape[0])
+        _advance_slots_kernel[(idx_mapping.shape[0],)](
+            idx_mapping, seq_lens, sample_rows, sampled, num_computed, token_ids, token_ids.stride(0),
+            sample_rows.shape[0], seq_lens if num_rows is None else num_rows, ROWS_ON_DEVICE=num_rows is not None,
+            **pdl_args(idx_mapping.device))

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from headrace.kernels.device import num_sms
+from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27, so (x < 2**32) * _MUL < 2**59
@@ -95,20 +95,19 @@ def gumbel_sample_ref(
     logits: torch.Tensor,  # [num_rows, vocab] float32: filtered (-inf = banned)
     seeds: torch.Tensor,  # [num_rows] int64
     positions: torch.Tensor,  # [num_rows] int64
-    temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled
+    temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0 (with rows: >= 0, 0 greedy); None: scaled
     rows: torch.Tensor | None = None,  # [num_rows] int64: seeds and temperature are per slot, read at rows
     counts: torch.Tensor | None = None,  # gumbel_sample's workspace; the reference has no chunks to count
 ) -> torch.Tensor:  # [num_rows] int64
     """Gumbel-max: argmax(logits + temperature * Gumbel noise) is a sample of softmax(logits / temperature).
-    With rows, a temperature of 0 (a greedy row, whose token is the argmax) takes the noise unscaled."""
+    With rows, a temperature of 0 is a greedy row: its token is the argmax of its logits."""
     logits = logits.float()
     if rows is not None:
         seeds = seeds[rows]
         if temperature is not None:
             temperature = temperature[rows]
-            temperature = torch.where(temperature == 0, 1.0, temperature)
     noise = gumbel_ref(seeds, positions, logits.shape[-1])
-    if temperature is not None:
+    if temperature is not None:  # a greedy row's 0 leaves its logits as they are (the noise is finite)
         noise = temperature[:, None] * noise
     return (logits + noise).argmax(dim=-1)
 
@@ -233,6 +232,33 @@ def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:  # [n] int64 in [0, 2*
     return out
 
 
+@triton.jit
+def _chunk_best(x_ptr, lo, hi, key, temperature, NOISE: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
+                APPROX: tl.constexpr):
+    """Per lane, the best value of x (plus temperature * noise with NOISE and SCALED, the noise alone with
+    NOISE only) over tokens lo..hi-1 and its token: [BLOCK] float32, [BLOCK] int32.
+    A lane keeps its earlier (smaller) token on a tie, and the caller takes the
+    smallest token among the lanes that reach the maximum, so ties resolve to the
+    first maximal token, as torch.argmax does. A chunk of only -inf yields its
+    first token, so a row of only -inf samples token 0, as torch.argmax."""
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = lo + offs
+    for start in range(lo, hi, BLOCK):
+        token = start + offs
+        mask = token < hi
+        v = tl.load(x_ptr + token, mask=mask, other=float("-inf")).to(tl.float32)
+        if NOISE:
+            noise = _gumbel_f32(_bits(key, token), APPROX)
+            if SCALED:
+                noise = temperature * noise
+            v = tl.where(mask, v + noise, float("-inf"))
+        better = v > best
+        best = tl.where(better, v, best)
+        best_idx = tl.where(better, token, best_idx)
+    return best, best_idx
+
+
 @triton.jit(do_not_specialize=["num_chunks"])
 def _gumbel_sample_kernel(
     logits_ptr, logits_stride,
@@ -242,41 +268,33 @@ def _gumbel_sample_kernel(
     count_ptr,  # [num_rows] int32, zero: the chunks of each row done so far (left zero)
     vocab_size, chunk_size, num_chunks,
     HAS_TEMPERATURE: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, APPROX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, chunk of the vocabulary), so that small batches
     still fill the GPU. Each stores its chunk's best value and token; the last
     of a row's chunks to finish (an atomic count) picks the first chunk with the
     largest value and writes the row's token. With HAS_ROWS, seeds and
-    temperatures are per slot, read at rows[row]."""
+    temperatures are per slot, read at rows[row], and a slot's temperature 0
+    (a greedy row) takes the argmax of the logits: no noise is made for it."""
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     src = tl.load(rows_ptr + row) if HAS_ROWS else row
     key = _row_key(seeds_ptr, positions_ptr, row, src)
+    temperature = 1.0
     if HAS_TEMPERATURE:
         temperature = tl.load(temperature_ptr + src)
-        if HAS_ROWS:  # a greedy row's 0: noise unscaled (its token is the argmax, taken elsewhere)
-            temperature = tl.where(temperature == 0, 1.0, temperature)
-    offs = tl.arange(0, BLOCK)
     lo = chunk * chunk_size
     hi = tl.minimum(lo + chunk_size, vocab_size)
-    # Per-lane running argmax: a lane keeps its earlier (smaller) index on a
-    # tie, and the final reduction takes the smallest index among the lanes
-    # that reach the maximum, so ties resolve to the first maximal index, as
-    # torch.argmax does. A chunk of only -inf yields its first token, so a
-    # row of only -inf samples token 0, as torch.argmax.
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = lo + offs
-    for start in range(lo, hi, BLOCK):
-        token = start + offs
-        mask = token < hi
-        x = tl.load(logits_ptr + row * logits_stride + token, mask=mask, other=float("-inf")).to(tl.float32)
-        noise = _gumbel_f32(_bits(key, token), APPROX)
-        if HAS_TEMPERATURE:
-            noise = temperature * noise
-        v = tl.where(mask, x + noise, float("-inf"))
-        better = v > best
-        best = tl.where(better, v, best)
-        best_idx = tl.where(better, token, best_idx)
+    x_ptr = logits_ptr + row * logits_stride
+    offs = tl.arange(0, BLOCK)
+    if HAS_ROWS and HAS_TEMPERATURE:
+        if temperature == 0:
+            best, best_idx = _chunk_best(x_ptr, lo, hi, key, temperature, False, HAS_TEMPERATURE, BLOCK, APPROX)
+        else:
+            best, best_idx = _chunk_best(x_ptr, lo, hi, key, temperature, True, HAS_TEMPERATURE, BLOCK, APPROX)
+    else:
+        best, best_idx = _chunk_best(x_ptr, lo, hi, key, temperature, True, HAS_TEMPERATURE, BLOCK, APPROX)
     top = tl.max(best, axis=0)
     winner = tl.min(tl.where(best == top, best_idx, vocab_size), axis=0)
     if num_chunks == 1:
@@ -315,7 +333,7 @@ def gumbel_sample(
     logits: torch.Tensor,  # [num_rows, vocab] float32, or the model's 16-bit dtype: filtered (-inf = banned)
     seeds: torch.Tensor,  # [num_rows] int64
     positions: torch.Tensor,  # [num_rows] int64
-    temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0; None: logits are already scaled
+    temperature: torch.Tensor | None = None,  # [num_rows] float32 > 0 (with rows: >= 0, 0 greedy); None: scaled
     rows: torch.Tensor | None = None,  # [num_rows] int64: seeds and temperature are per slot, read at rows
     counts: torch.Tensor | None = None,  # int32 [>= num_rows], zero, left zero: a buffer kept from call to call
 ) -> torch.Tensor:  # [num_rows] int64
@@ -334,12 +352,14 @@ def gumbel_sample(
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     part_val = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
-    if counts is None or counts.numel() < num_rows:
+    if counts is None:
         counts = torch.zeros(num_rows if num_chunks > 1 else 0, dtype=torch.int32, device=logits.device)
+    elif counts.numel() < num_rows:
+        raise ValueError(f"gumbel_sample: counts holds {counts.numel()} entries for {num_rows} rows")
     _gumbel_sample_kernel[(num_rows, num_chunks)](
         logits, logits.stride(0), seeds, positions, logits if temperature is None else temperature,
         positions if rows is None else rows, part_val, part_idx, out, counts, vocab_size, chunk_size, num_chunks,
         HAS_TEMPERATURE=temperature is not None, HAS_ROWS=rows is not None, BLOCK=_VOCAB_BLOCK,
-        APPROX=logits.is_cuda, num_warps=8,
+        APPROX=logits.is_cuda, num_warps=8, **pdl_args(logits.device),
     )
     return out

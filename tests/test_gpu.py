@@ -134,6 +134,40 @@ def test_cuda_graph_and_eager_paths_agree(checkpoint):
                     assert ex[tid].logprob == pytest.approx(ey[tid].logprob, abs=1e-4)
 
 
+def test_sampling_graphs_match_the_eager_path_and_the_cpu(checkpoint):
+    """Decode steps whose rows all sample straight from their logits (greedy and seeded temperature rows)
+    run the LM head, the sampling kernel and the slots' advance in a graph after the decode graph: they
+    sample what the eager path and the CPU sample, at padded sizes too. A step with a row that asks for
+    logprobs samples eagerly from the same graph output, and its plain rows' tokens do not change."""
+    path = checkpoint("qwen3")
+    prompts = prompts_of_lengths(1000, [3, 40, 9, 17, 5], seed=41)
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=16, ignore_eos=True)
+              for t, s in ((0.8, 1), (0, None), (1.3, 2), (0.5, 3), (0, None))]
+    graphs = LLM(path, device="cuda", dtype="float32", max_model_len=128, max_num_seqs=8)
+    eager = LLM(path, device="cuda", dtype="float32", max_model_len=128, max_num_seqs=8, enforce_eager=True)
+    cpu = LLM(path, device="cpu", max_model_len=128, max_num_seqs=8)
+    steps = graphs.engine.executor.graphs
+    replay, sampled_steps = steps.run_sampled, []
+
+    def counting(batch):
+        sampled_steps.append(len(batch.req_ids))
+        return replay(batch)
+
+    steps.run_sampled = counting
+    for n in (1, 3, 5):  # 3 and 5 rows run the graphs of 4 and 8
+        sampled_steps.clear()
+        want = [o.outputs[0].token_ids for o in cpu.generate(prompts[:n], params[:n], use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in eager.generate(prompts[:n], params[:n], use_tqdm=False)] == want
+        assert [o.outputs[0].token_ids for o in graphs.generate(prompts[:n], params[:n], use_tqdm=False)] == want
+        assert sampled_steps.count(n) >= 14, sampled_steps  # every decode step of the whole batch
+    sampled_steps.clear()
+    with_logprobs = params[:4] + [SamplingParams(temperature=0.7, seed=4, max_tokens=16, logprobs=2)]
+    got = graphs.generate(prompts, with_logprobs, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got[:4]] == want[:4]
+    assert got[4].outputs[0].token_ids == eager.generate(prompts, with_logprobs, use_tqdm=False)[4].outputs[0].token_ids
+    assert 5 not in sampled_steps
+
+
 def test_mixed_step_graphs_and_eager_paths_agree(checkpoint, hf_model):
     """Prefill chunks beside decoding rows, replayed from the mixed graphs
     (padded token counts, empty padding rows), give the tokens and logprobs

@@ -139,25 +139,47 @@ def test_step_inputs_in_buffers_match_new_tensors():
     assert torch.equal(batch.input_ids, plain.input_ids) and torch.equal(batch.attn.seq_lens, plain.attn.seq_lens)
 
 
+def _check_advance(fn, g, idx_mapping, seq_lens, sample_rows, moved, num_rows=None):
+    """fn on random slot state against a loop: rows `moved` set their slot's computed count, and
+    sample_rows[:len(sample_rows)] (each a moved row) write their sampled token at seq_lens."""
+    num_slots, width = 12, 40
+    sampled = torch.randint(0, 50_000, (len(idx_mapping),), generator=g)
+    num_computed = torch.randint(0, 9, (num_slots,), generator=g, dtype=torch.int32)
+    token_ids = torch.randint(0, 50_000, (num_slots, width), generator=g, dtype=torch.int32)
+    want_computed, want_ids = num_computed.clone(), token_ids.clone()
+    for r in range(moved):
+        want_computed[idx_mapping[r]] = seq_lens[r]
+    for r in sample_rows[:moved if num_rows is not None else len(sample_rows)].tolist():
+        want_ids[idx_mapping[r], seq_lens[r]] = int(sampled[r])
+    got_computed, got_ids = num_computed.to(DEVICE), token_ids.to(DEVICE)
+    args = (idx_mapping, seq_lens, sample_rows, sampled)
+    extra = {} if num_rows is None else dict(num_rows=torch.tensor(num_rows, dtype=torch.int32).to(DEVICE))
+    fn(*(t.to(DEVICE) for t in args), got_computed, got_ids, **extra)
+    assert torch.equal(got_computed.cpu(), want_computed) and torch.equal(got_ids.cpu(), want_ids)
+
+
 @pytest.mark.parametrize("fn", [advance_slots, advance_slots_ref])
 @pytest.mark.parametrize("num_samples", [0, 2, 5])
 def test_advance_slots(fn, num_samples):
     """Each row's slot gets its computed count; each sampling row's token lands at its slot's seq_lens,
     checked against a loop; slots outside the batch are untouched."""
     g = torch.Generator().manual_seed(num_samples)
-    num_slots, width, n = 12, 40, 5
-    idx_mapping = torch.randperm(num_slots, generator=g)[:n]
-    seq_lens = torch.randint(1, width, (n,), generator=g, dtype=torch.int32)
+    n = 5
+    idx_mapping = torch.randperm(12, generator=g)[:n]
+    seq_lens = torch.randint(1, 40, (n,), generator=g, dtype=torch.int32)
     sample_rows = torch.randperm(n, generator=g)[:num_samples].sort().values
-    sampled = torch.randint(0, 50_000, (n,), generator=g)
-    num_computed = torch.randint(0, 9, (num_slots,), generator=g, dtype=torch.int32)
-    token_ids = torch.randint(0, 50_000, (num_slots, width), generator=g, dtype=torch.int32)
-    want_computed, want_ids = num_computed.clone(), token_ids.clone()
-    for r in range(n):
-        want_computed[idx_mapping[r]] = seq_lens[r]
-    for r in sample_rows.tolist():
-        want_ids[idx_mapping[r], seq_lens[r]] = int(sampled[r])
-    got_computed, got_ids = num_computed.to(DEVICE), token_ids.to(DEVICE)
-    args = (idx_mapping, seq_lens, sample_rows, sampled)
-    fn(*(t.to(DEVICE) for t in args), got_computed, got_ids)
-    assert torch.equal(got_computed.cpu(), want_computed) and torch.equal(got_ids.cpu(), want_ids)
+    _check_advance(fn, g, idx_mapping, seq_lens, sample_rows, n)
+
+
+@pytest.mark.parametrize("fn", [advance_slots, advance_slots_ref])
+def test_advance_slots_padded_rows_count_on_device(fn):
+    """With num_rows (a CUDA graph's padded batch), only the rows before it move, each writing its token;
+    the padding rows, whose slot reads 0 as the step's upload leaves them, touch nothing."""
+    n, size = 3, 8
+    idx_mapping = torch.zeros(size, dtype=torch.int64)
+    idx_mapping[:n] = torch.tensor([5, 9, 2])
+    seq_lens = torch.ones(size, dtype=torch.int32)
+    seq_lens[:n] = torch.tensor([7, 30, 12], dtype=torch.int32)
+    sample_rows = torch.zeros(size, dtype=torch.int64)
+    sample_rows[:n] = torch.arange(n)
+    _check_advance(fn, torch.Generator().manual_seed(3), idx_mapping, seq_lens, sample_rows, n, num_rows=n)

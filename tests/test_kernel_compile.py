@@ -109,6 +109,7 @@ def _paged_batch(lens: list[int], queries: list[int], heads=(16, 8), block=16, d
 def test_attention_and_sampling_kernels_compile_for_hopper(launches):
     from headrace.kernels.attention import paged_attention
     from headrace.kernels.qkv import decode_attention
+    from headrace.kernels.input_prep import advance_slots
     from headrace.kernels.sampling import gumbel_sample
 
     # a mixed step (the general kernel, the decode kernel split and its reduce), decode steps split and unsplit
@@ -128,9 +129,17 @@ def test_attention_and_sampling_kernels_compile_for_hopper(launches):
                          splits)
     gumbel_sample(torch.zeros(3, 1000), torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), torch.ones(3))
     gumbel_sample(torch.zeros(1, 1), torch.tensor([1]), torch.tensor([4]))  # a vocabulary of one: a constexpr 1
+    # by slot, as the sampler and the sampling graphs call it (a greedy slot's rows take no noise)
+    gumbel_sample(torch.zeros(3, 1000, dtype=torch.bfloat16), torch.arange(9), torch.tensor([4, 5, 6]),
+                  torch.ones(9), rows=torch.tensor([4, 0, 7]), counts=torch.zeros(9, dtype=torch.int32))
+    idx, seq_lens = torch.tensor([4, 0, 7]), torch.tensor([5, 6, 7], dtype=torch.int32)
+    for num_rows in (None, torch.tensor(2, dtype=torch.int32)):  # the eager step's advance and the graphs'
+        advance_slots(idx, seq_lens, torch.arange(3), torch.zeros(3, dtype=torch.int64),
+                      torch.zeros(9, dtype=torch.int32), torch.zeros(9, 16, dtype=torch.int32), num_rows=num_rows)
 
     names = {k["name"] for k in launches}
-    assert {"_paged_attention_kernel", "_paged_decode_kernel", "_paged_decode_reduce_kernel"} <= names, names
+    assert {"_paged_attention_kernel", "_paged_decode_kernel", "_paged_decode_reduce_kernel",
+            "_gumbel_sample_kernel", "_advance_slots_kernel"} <= names, names
     assert _compile(launches) == []
 
 

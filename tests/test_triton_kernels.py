@@ -244,18 +244,20 @@ def test_gumbel_sample(rows, vocab, with_temperature, poisoned_empty):
 
 @pytest.mark.parametrize("fn", [gumbel_sample, gumbel_sample_ref])
 def test_gumbel_sample_reads_seeds_and_temperatures_by_slot(fn):
-    """With rows, each row's seed and temperature come from its slot's entry, and a slot's temperature 0
-    (greedy) reads the logits unscaled: the sample of the row-level call on the gathered values."""
+    """With rows, each row's seed and temperature come from its slot's entry (the sample of the row-level
+    call on the gathered values), and a slot's temperature 0 (greedy) takes the argmax of its logits."""
     g = _gen(7, 5, 3000)
-    logits = torch.randn(5, 3000, generator=g) * 3
+    logits = torch.randn(5, 3000, generator=g)
     slot_seeds = torch.randint(-(2**63), 2**63 - 1, (9,), generator=g)
     slot_temps = torch.rand(9, generator=g) * 1.5 + 0.2
     rows = torch.tensor([4, 0, 7, 2, 8])
     slot_temps[7] = 0.0
     positions = torch.randint(0, 2**20, (5,), generator=g)
-    want = gumbel_sample_ref(logits, slot_seeds[rows], positions, torch.where(rows == 7, 1.0, slot_temps[rows]))
+    want = gumbel_sample_ref(logits, slot_seeds[rows], positions, slot_temps[rows].clamp(min=0.2))
+    want[2] = logits[2].argmax()
     got = fn(*(t.to(DEVICE) for t in (logits, slot_seeds, positions, slot_temps)), rows=rows.to(DEVICE)).cpu()
     assert got.tolist() == want.tolist()
+    assert want[2] != gumbel_sample_ref(logits[2:3], slot_seeds[7:8], positions[2:3])[0]  # the noise would move it
     unscaled = fn(*(t.to(DEVICE) for t in (logits, slot_seeds, positions)), rows=rows.to(DEVICE)).cpu()
     assert unscaled.tolist() == gumbel_sample_ref(logits, slot_seeds[rows], positions).tolist()
 
@@ -283,6 +285,9 @@ def test_gumbel_sample_counts_buffer_is_left_zero():
         assert ((got == gumbel_sample_ref(logits, seeds, positions)) | _near_ties(logits, seeds, positions)).all(), i
         assert got[0] == vocab // 3
         assert not counts.any(), i
+    with pytest.raises(ValueError, match="counts holds 40 entries for 41 rows"):
+        gumbel_sample(torch.zeros(41, 100, device=DEVICE), torch.arange(41, device=DEVICE),
+                      torch.arange(41, device=DEVICE), counts=counts)
 
 
 @pytest.mark.parametrize("widths, block_size, heads, head_dim", [
