@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from headrace.executor.sampler import _apply_filters, sample
+from headrace.executor.sampler import _apply_filters, _has_filters, _process, plain_rows, sample
 from headrace.executor.sampling_state import SamplingState
 from headrace.executor.states import RequestStates
 from headrace.sampling_params import SamplingParams
@@ -134,3 +134,41 @@ def test_sampling_params_validation():
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
+
+
+PLAIN = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=0.6, seed=5),
+         SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, stop_token_ids=[9])]
+NOT_PLAIN = [SamplingParams(top_k=5), SamplingParams(top_p=0.9), SamplingParams(min_p=0.1),
+             SamplingParams(repetition_penalty=1.2), SamplingParams(presence_penalty=0.5),
+             SamplingParams(frequency_penalty=0.5), SamplingParams(logit_bias={7: 5.0}),
+             SamplingParams(allowed_token_ids=[3, 4]), SamplingParams(bad_words_token_ids=[[5]]),
+             SamplingParams(min_tokens=4), SamplingParams(logprobs=0), SamplingParams(logprobs=2),
+             SamplingParams(logprob_token_ids=[3]), SamplingParams(n=1, best_of=2)]
+
+
+@pytest.mark.parametrize("sp", PLAIN + NOT_PLAIN)
+def test_plain_rows_agree_with_the_sampler_stages(sp):
+    """A request is plain (its decode steps may sample in a graph, which runs sample_by_slot alone) exactly
+    when the eager sampler would run no processing, no filter and no logprobs for it."""
+    states, batch = make_states([sp])
+    st, slots = states.sampling, batch.idx_mapping_np
+    logits = torch.randn(1, 300)
+    unprocessed = _process(logits, slots, batch.idx_mapping, st, states.token_ids.gpu, states.num_tokens[slots],
+                           ()) is logits
+    stages_off = unprocessed and not _has_filters(slots, st) and not (st.num_logprobs.np[slots] >= 0).any()
+    assert plain_rows(slots, st, ()) == stages_off == (sp in PLAIN)
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(prompt_logprobs=1), SamplingParams(use_beam_search=True, n=2, temperature=0)])
+def test_plain_rows_leave_out_prompt_logprobs_and_beams(sp):
+    """Rows the sampler's stages leave alone, but whose steps need the eager path: prompt logprobs read the
+    hidden states, beams are selected from the logits."""
+    states, batch = make_states([sp])
+    assert not plain_rows(batch.idx_mapping_np, states.sampling, ())
+
+
+def test_plain_rows_need_every_row_plain_and_no_custom_processors():
+    states, batch = make_states([SamplingParams(), SamplingParams(top_k=3), SamplingParams(temperature=0)])
+    st, slots = states.sampling, batch.idx_mapping_np
+    assert plain_rows(slots[[0, 2]], st, ()) and not plain_rows(slots, st, ())
+    assert not plain_rows(slots[[0, 2]], st, (object(),))
