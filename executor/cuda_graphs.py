@@ -90,7 +90,7 @@ class StepGraphs:
         self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens -> graph, output
         self.sampling: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # rows -> graph, tokens
         self.max_rows = S
-        self.pool = pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()  # shared by every graph here: replayed one at a time
         # A captured matmul bakes in the cuBLAS workspace of the stream it was
         # captured on. Every warm-up and capture runs on this engine's own
         # stream, whose workspace torch keeps (and clear_cublas_workspaces
@@ -101,9 +101,9 @@ class StepGraphs:
         with torch.inference_mode():
             # Largest first: the smaller ones reuse its pool.
             for tokens in sorted(mixed_token_counts(max_num_batched_tokens), reverse=True):
-                self.mixed[tokens] = self._capture(tokens, self._mixed_meta(tokens), pool)
+                self.mixed[tokens] = self._capture(tokens, self._mixed_meta(tokens))
             for rows in sorted(capture_sizes(S), reverse=True):
-                self.decode[rows] = self._capture(rows, self._decode_meta(rows), pool)
+                self.decode[rows] = self._capture(rows, self._decode_meta(rows))
         self._decode_sizes, self._mixed_sizes = sorted(self.decode), sorted(self.mixed)  # for bisect
         with torch.inference_mode():
             for rows in self._decode_sizes:  # the LM head's first call at each padded row count
@@ -131,19 +131,19 @@ class StepGraphs:
             decode_order=b.decode_order[:rows],
         )
 
-    def _capture(self, tokens: int, meta: AttentionMetadata, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, tokens: int, meta: AttentionMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Captured with every row empty (or, for decode, writing nothing), so
         # the warm-up runs touch no cache.
         args = (self.bufs.input_ids[:tokens], self.bufs.positions[:tokens], meta)
-        return self._capture_fn(lambda: self.model(*args), pool)
+        return self._capture_fn(lambda: self.model(*args))
 
-    def _capture_fn(self, fn, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_fn(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()  # warm-up: Triton compiles and autotunes outside the capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             out = fn()
         torch.cuda.current_stream().wait_stream(stream)
         return graph, out
@@ -156,7 +156,7 @@ class StepGraphs:
         with torch.inference_mode():
             for rows in reversed(self._decode_sizes):
                 hidden = self.decode[rows][1]
-                self.sampling[rows] = self._capture_fn(lambda: sample(hidden, rows), self.pool)
+                self.sampling[rows] = self._capture_fn(lambda: sample(hidden, rows))
 
     def fits(self, batch: InputBatch) -> bool:
         """Whether a graph is large enough. Rows always fit: a step has at most
