@@ -86,8 +86,8 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
                   M, N, K, k_per_split, stride_xm,
                   NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                   DOT: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                  BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    wait_for_previous(PDL)
+                  BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                  EARLY: tl.constexpr = False):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -100,6 +100,11 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
         col = pid_n * ROWS + r
         w_row = col
     mask_r = col < N
+    if EARLY:  # the whole of K is one slice (one split): its weights before the wait, as they land
+        offs_k = tl.arange(0, BLOCK_K)
+        w_early = tl.load(w_ptr + w_row[:, None].to(tl.int64) * K + offs_k[None, :],
+                          mask=mask_r[:, None] & (offs_k < K)[None, :], other=0.0)
+    wait_for_previous(PDL)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # the rows' sum of squares over all of K
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -124,7 +129,9 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
             x = _x_slice(x_ptr, stride_xm, offs_m, rstd, offs_k, in_k, M, K, res_ptr, new_res_ptr, nw_ptr, pid_n == 0,
                          NORM, HAS_RES)
         w_ptrs = w_ptr + w_row[:, None].to(tl.int64) * K + offs_k[None, :]
-        if EVEN_K:
+        if EARLY:
+            w = w_early
+        elif EVEN_K:
             w = tl.load(w_ptrs, mask=mask_r[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=mask_r[:, None] & in_k[None, :], other=0.0)
@@ -184,6 +191,11 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
 # SiLU as kernels of their own, from 2 rows up.
 FEW_ROWS, PLAIN_ROWS, PLAIN_N, _MAX_ROWS = 1, 8, 2048, 32
 FMA_ROWS = 8  # the most rows fma_path sends past tl.dot
+# Up to EARLY_ROWS rows, a narrow weight (at most PLAIN_N rows) taken whole-K in one slice is read before the PDL
+# wait (EARLY), arriving while the kernel before ends: on an H100, Qwen3-0.6B's o at one row 2.5-2.9 us against
+# 3.2-3.3 and down at one and two rows 3.2 and 3.6-3.7 against 3.9-4.1 and 4.9-5.1; o at 8 rows and down at 4
+# were slower so (5.4-5.8 against 4.6-5.1, 5.6 against 5.0-5.1), and wide weights were slower at one row.
+EARLY_ROWS = 2
 _FMA_ELEMENTS = 16384  # the most padded rows x BLOCK_K it sends there (per-lane sums: 32 registers a thread)
 DOT_CONFIG = (32, 256, 4, 3)
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
@@ -263,6 +275,7 @@ def dense_linear(
         m, n, k, k_per_split, x.stride(0),
         NORM=norm is not None, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
         DOT=not fma, SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=block_m, ROWS=block_rows, BLOCK_K=block_k,
+        EARLY=fma and m <= EARLY_ROWS and splits == 1 and block_k >= k and rows <= PLAIN_N,
         NORM_BLOCK=min(triton.next_power_of_2(k), max(16, _NORM_ELEMENTS // block_m)),
         num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return out, new_residual

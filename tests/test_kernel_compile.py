@@ -157,6 +157,7 @@ def test_projection_kernels_compile_for_hopper(launches):
     for rows, gated in ((1, True), (1, False), (8, False)):  # the one-row kernel with the norm, and few rows
         x = torch.zeros(rows, 128, **bf16)
         dense_linear(x, w, None, (nw, 1e-6), torch.zeros(rows, 128, **bf16), gated)
+    dense_linear(torch.zeros(2, 128, **bf16), w, None)  # o and down at two rows: the weights read before the wait
     x = torch.zeros(4, 128, **bf16)
     rms_norm(x, nw, 1e-6, torch.zeros(4, 128, **bf16))
     silu_and_mul(torch.zeros(4, 256, **bf16))
