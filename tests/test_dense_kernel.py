@@ -67,6 +67,15 @@ def test_dense_linear_float32_split_and_ragged(m, gated, poisoned_empty):
          config=SPLIT if m == 1 else DOT_SPLIT)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("k", [256, 200])
+def test_dense_linear_weights_read_before_the_wait(m, k, poisoned_empty):
+    """A narrow weight (96 rows) taken whole-K in one slice at one or two rows (dense.EARLY_ROWS): its weights
+    are read before the PDL wait, K a multiple of the slice or ragged, gated or not."""
+    for gated in (False, True):
+        _run(m, 96, k, torch.float16, False, False, gated, bias=m == 2 and not gated, config=None)
+
+
 @pytest.mark.parametrize("m", [1, 3])
 def test_dense_linear_several_slices_a_program(m, poisoned_empty):
     """Enough weight rows that K is not split: each program walks all four 64-wide slices of K itself."""
