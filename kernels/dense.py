@@ -275,7 +275,7 @@ def dense_linear(
         m, n, k, k_per_split, x.stride(0),
         NORM=norm is not None, HAS_RES=residual is not None, GATED=gated, HAS_BIAS=bias is not None,
         DOT=not fma, SPLIT=splits > 1, EVEN_K=k % block_k == 0, BLOCK_M=block_m, ROWS=block_rows, BLOCK_K=block_k,
-        EARLY=fma and m <= EARLY_ROWS and splits == 1 and block_k >= k and rows <= PLAIN_N,
+        EARLY=fma and m <= EARLY_ROWS and block_k >= k and rows <= PLAIN_N,  # block_k >= k: one split
         NORM_BLOCK=min(triton.next_power_of_2(k), max(16, _NORM_ELEMENTS // block_m)),
         num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return out, new_residual

@@ -288,11 +288,11 @@ def _gumbel_sample_kernel(
     hi = tl.minimum(lo + chunk_size, vocab_size)
     x_ptr = logits_ptr + row * logits_stride
     offs = tl.arange(0, BLOCK)
+    greedy = False  # known at compile time unless temperatures are read by slot
     if HAS_ROWS and HAS_TEMPERATURE:
-        if temperature == 0:
-            best, best_idx = _chunk_best(x_ptr, lo, hi, key, temperature, False, HAS_TEMPERATURE, BLOCK, APPROX)
-        else:
-            best, best_idx = _chunk_best(x_ptr, lo, hi, key, temperature, True, HAS_TEMPERATURE, BLOCK, APPROX)
+        greedy = temperature == 0
+    if greedy:
+        best, best_idx = _chunk_best(x_ptr, lo, hi, key, temperature, False, HAS_TEMPERATURE, BLOCK, APPROX)
     else:
         best, best_idx = _chunk_best(x_ptr, lo, hi, key, temperature, True, HAS_TEMPERATURE, BLOCK, APPROX)
     top = tl.max(best, axis=0)
