@@ -70,6 +70,12 @@ def pdl() -> bool:
     return _switch("HEADRACE_PDL")
 
 
+def int4_mma() -> bool:
+    """HEADRACE_INT4_MMA: 0 runs a 4-bit layer's calls of 2 to 8 rows through the tl.dot
+    kernel of kernels/int4.py (default 1: mma.sync, kernels/int4_mma.py, on an sm_90 GPU)."""
+    return _switch("HEADRACE_INT4_MMA")
+
+
 def _switch(name: str) -> bool:
     """An on (1, the default) / off (0) variable; anything else is refused."""
     value = os.environ.get(name, "1")

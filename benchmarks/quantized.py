@@ -1,7 +1,7 @@
 """Quantized weights on a GPU: the memory they save and the speed they give.
 
     python3 benchmarks/quantized.py [--parts memory,decode,community,gguf] [--formats bf16,fp8,int4,int4-head]
-                                    [--quantize-embeddings] [--num-requests 64] [--profile 1,16]
+                                    [--quantize-embeddings] [--num-requests 64] [--batches 1,16] [--profile 1,16]
 
 Formats, on the Qwen3-8B shape with random weights (benchmarks_common.qwen3_8b_checkpoint):
 bf16 as stored; fp8 (quantization="fp8": E4M3 weights quantized at load, per
@@ -16,7 +16,7 @@ the memory and decode parts.
              GGUF blocks): all of them and the decoder projections alone, each
              against bf16, and the embedding table with the LM head (one table
              when tied); and what the engine allocated, less its KV cache.
-  decode     one decode step at batch 1 and 16, context 1024 (as decode_step.py),
+  decode     one decode step at batch 1 and 16 (--batches), context 1024 (as decode_step.py),
              against the format's own floor: the weights a step reads as held
              (all but the embedding table, a lookup; the LM head is read whole)
              and the cached KV at the measured copy bandwidth, plus the matmul
@@ -219,7 +219,7 @@ def format_parts(args, formats, bw, rate) -> None:
             profiled = tuple(map(int, args.profile.split(","))) if args.profile else ()
             if profiled:
                 print(f"--- {label}: where the decode steps' time goes at batch {args.profile}")
-            decode[label] = (floor.weight_bytes, decode_rows(core, floor, profiled=profiled))
+            decode[label] = (floor.weight_bytes, decode_rows(core, floor, args.batches, profiled=profiled))
         release(core)
         del core
 
@@ -318,6 +318,8 @@ def main() -> None:
     parser.add_argument("--quantize-embeddings", action="store_true",
                         help="memory and decode also for the quantized formats with quantize_embeddings=True")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the community workload")
+    parser.add_argument("--batches", type=lambda v: tuple(map(int, v.split(","))), default=(1, 16),
+                        help="BATCH[,...]: the decode part's batch sizes")
     parser.add_argument("--profile", default="", help="BATCH[,...]: profile those batches' decode steps")
     args = parser.parse_args()
     args.parts, formats = args.parts.split(","), args.formats.split(",")

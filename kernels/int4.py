@@ -18,7 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from headrace.kernels import splitk
+from headrace import envs
+from headrace.kernels import int4_mma, splitk
 from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.int4_gemv import CONFIG as GEMV_CONFIG, int4_gemv
 from headrace.kernels.splitk import sum_splits
@@ -328,9 +329,25 @@ def dequantize_int4_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: t
     return w_t
 
 
+def mma_rows(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
+    """Whether x [rows, K]'s call goes to kernels/int4_mma.py: 2..8 rows of a 16-bit model on an sm_90 GPU
+    (one row: kernels/int4_gemv.py), unless HEADRACE_INT4_MMA=0."""
+    return x.dim() == 2 and x.shape[0] > 1 and int4_mma.usable(x, qweight, group_size) and envs.int4_mma()
+
+
+def gated_rows(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None, counts: torch.Tensor | None) -> torch.Tensor:
+    """silu_and_mul(int4_linear(x, ...)) in one launch for one 16-bit row or mma_rows(x): a gate|up projection,
+    the gate the first half of the outputs."""
+    if x.shape[0] == 1:
+        return int4_gemv(x, qweight, scales, zeros, group_size, bias, counts, gated=True)
+    return int4_mma.int4_mma(x, qweight, scales, zeros, group_size, bias, counts, gated=True)
+
+
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 group_size: int, bias: torch.Tensor | None, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """int4_linear_ref's result in one launch (two from DEQUANTIZE_ROWS rows; one 16-bit row: int4_gemv);
+    """int4_linear_ref's result in one launch (two from DEQUANTIZE_ROWS rows; one 16-bit row: int4_gemv; 2..8
+    on tensor cores: mma_rows);
     x's last dimension must be contiguous.
     counts: the layer's split-K counters (split_k_tiles(N) of them, zero between calls)."""
     _check_input(x, qweight, scales, zeros, group_size, bias)
@@ -341,6 +358,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if x2.shape[0] == 1 and x.dtype != torch.float32:  # one row of a 16-bit model: kernels/int4_gemv.py
         out = int4_gemv(x2, qweight, scales, zeros, group_size, bias, counts)
+    elif mma_rows(x2, qweight, group_size):
+        out = int4_mma.int4_mma(x2, qweight, scales, zeros, group_size, bias, counts)
     elif x2.shape[0] >= DEQUANTIZE_ROWS:
         out = x2 @ dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype)
         out = out if bias is None else out + bias

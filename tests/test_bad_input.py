@@ -176,7 +176,8 @@ def test_sample_ids_that_clash_with_a_live_request_change_nothing(checkpoint):
 
 @pytest.mark.parametrize("name,read", [("HEADRACE_FUSED_PROJECTIONS", envs.fused_projections),
                                        ("HEADRACE_FUSED_DECODE", envs.fused_decode), ("HEADRACE_PDL", envs.pdl),
-                                       ("HEADRACE_SAMPLING_GRAPHS", envs.sampling_graphs)])
+                                       ("HEADRACE_SAMPLING_GRAPHS", envs.sampling_graphs),
+                                       ("HEADRACE_INT4_MMA", envs.int4_mma)])
 def test_on_off_variables_take_0_or_1(name, read, monkeypatch):
     monkeypatch.delenv(name, raising=False)
     assert read() is True  # on by default

@@ -286,3 +286,93 @@ def test_triton_dequantization_matches_reference(k, n, group):
     args = (pack_int4(q).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group)
     for dtype in (torch.float32, torch.float16):
         assert torch.equal(dequantize_int4_triton(*args, dtype).t(), dequantize_int4(*args, dtype))
+
+
+_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+# (rows, K, N, G, split_k, dtype): groups of one step, of several and one group for all of K; K whole, split as
+# planned (Qwen3-8B's down: 16 splits), 3 ways and 20 (past the unrolled sum of the partials).
+MMA_CASES = [(2, 256, 128, 128, 0, torch.bfloat16), (3, 1024, 384, 128, 3, torch.float16),
+             (8, 512, 256, 512, 1, torch.bfloat16), (5, 12288, 4096, 128, 0, torch.bfloat16),
+             (8, 2560, 128, 128, 20, torch.float16)]
+
+
+@pytest.mark.skipif(not _SM90, reason="kernels/int4_mma.py runs on an sm_90 GPU (Gluon: no interpreter)")
+@pytest.mark.parametrize("rows,k,n,g,split_k,dtype", MMA_CASES)
+def test_mma_rows(rows, k, n, g, split_k, dtype, monkeypatch):
+    """The tensor-core kernel against int4_linear_ref, with and without bias: within two eps of sum_k |x| |W|
+    (+ |b|), the reference's rounding of W and of y and the kernel's of y. The split-K counters are back at zero
+    after every call, NaN-filled memory from torch.empty does not leak into the result, two calls give the same
+    bits, and int4_linear sends these rows to it unless HEADRACE_INT4_MMA=0."""
+    from headrace.kernels import int4 as int4_module
+    from headrace.kernels.int4_mma import int4_mma
+
+    qweight, scales, zeros = _layer(k, n, g, dtype, seed=rows + k + n)
+    gen = torch.Generator().manual_seed(k * n + rows)
+    x = (torch.randn(rows, k, generator=gen) * 2).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    w = dequantize_int4(qweight, scales, zeros, g, dtype)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    counts = counters(split_k_tiles(n), DEVICE)
+    bound = x.double().abs() @ w.double().abs().t()
+    for b in (None, bias):
+        want = int4_linear_ref(x, qweight, scales, zeros, g, b)
+        got = int4_mma(x, qweight, scales, zeros, g, b, counts, split_k)
+        assert got.shape == want.shape and got.dtype == dtype
+        allowed = 2 * torch.finfo(dtype).eps * (bound + (0 if b is None else b.double().abs()))
+        err = (got.double() - want.double()).abs()
+        assert bool((err <= allowed).all()), f"max error {err.max():.3g}"
+        assert torch.equal(got, int4_mma(x, qweight, scales, zeros, g, b, counts, split_k))
+        assert not counts.any()
+    calls = []
+    real = int4_module.int4_mma.int4_mma
+    monkeypatch.setattr(int4_module.int4_mma, "int4_mma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    int4_linear(x, qweight, scales, zeros, g, None, counts)
+    monkeypatch.setenv("HEADRACE_INT4_MMA", "0")
+    int4_linear(x, qweight, scales, zeros, g, None, counts)
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not _SM90, reason="kernels/int4_mma.py runs on an sm_90 GPU (Gluon: no interpreter)")
+@pytest.mark.parametrize("rows,k,n,g,split_k,dtype", [
+    (2, 256, 256, 128, 0, torch.bfloat16), (7, 1024, 512, 128, 3, torch.float16),
+    (8, 512, 2 * 64 * 132 * 2 * 2, 128, 0, torch.bfloat16), (4, 2048, 768, 2048, 20, torch.bfloat16)])
+def test_mma_rows_gated(rows, k, n, g, split_k, dtype):
+    """SiLU-and-mul in the tensor-core kernel's epilogue (gate|up: the gate the first half of the outputs), K whole
+    and split, with and without bias, against the float64 layer: gate and up within their float32 sums and one
+    rounding, SiLU rounded, the product rounded (as test_one_row_gemv_gated allows)."""
+    from headrace.kernels.int4_mma import int4_mma
+
+    qweight, scales, zeros = _layer(k, n, g, dtype, seed=rows * k + n)
+    gen = torch.Generator().manual_seed(k + n + rows)
+    x = (torch.randn(rows, k, generator=gen) * 2).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
+    w = dequantize_int4(qweight, scales, zeros, g, torch.float64)
+    half_eps = torch.finfo(dtype).eps / 2
+    counts = counters(split_k_tiles(n), DEVICE)
+    for b in (None, bias):
+        gu = x.double() @ w.t() + (0 if b is None else b.double())
+        d_gu = (x.double().abs() @ w.abs().t()) * 2**-20
+        d_gu += half_eps * (gu.abs() + d_gu)
+        (gate, up), (dg, du) = gu.split(n // 2, dim=1), d_gu.split(n // 2, dim=1)
+        act = torch.nn.functional.silu(gate)
+        d_act = 1.1 * dg + half_eps * (act.abs() + 1.1 * dg)
+        allowed = d_act * (up.abs() + du) + act.abs() * du
+        allowed += half_eps * ((act * up).abs() + allowed)
+        got = int4_mma(x, qweight, scales, zeros, g, b, counts, split_k, gated=True)
+        assert got.shape == (rows, n // 2) and got.dtype == dtype
+        err = (got.double() - act * up).abs()
+        assert bool((err <= allowed).all()), f"max error {err.max():.3g}"
+        assert not counts.any()
+
+
+def test_mma_refuses_rows_past_its_width():
+    """The tensor-core kernel multiplies at most ROWS rows (its MMA's B width): more, or none, is refused by name
+    before anything launches."""
+    from headrace.kernels.int4_mma import ROWS, int4_mma
+
+    qweight, scales, zeros = _layer(128, 128, 128, torch.float16, seed=5)
+    for rows in (ROWS + 1, 0):
+        x = torch.zeros(rows, 128, dtype=torch.float16, device=DEVICE)
+        with pytest.raises(ValueError, match=f"int4_mma takes 1 to {ROWS} rows, got {rows}"):
+            int4_mma(x, qweight, scales, zeros, 128, None)

@@ -205,3 +205,46 @@ def test_quantized_logprob_and_rotary_kernels_compile_for_hopper(launches):
     names = {k["name"] for k in launches}
     assert len(names) >= 5, names
     assert _compile(launches) == []
+
+
+_INT4_MMA_COMPILE = r"""
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile
+from triton.experimental.gluon._runtime import GluonASTSource
+from headrace.kernels import int4_mma as M
+out = []
+for dtype, gated, r, group, bias, split, pdl in json.load(sys.stdin):
+    ptr = "*" + dtype
+    sig = dict(x_ptr=ptr, qw_ptr="*i32", s_ptr=ptr, z_ptr=ptr, bias_ptr=ptr, out_ptr=ptr, part_ptr="*fp32",
+               count_ptr="*i32", N="i32", K="i32", k_per_split="i32", n_rows="i32", x_stride="i32")
+    c = dict(GROUP=group, HAS_BIAS=bias, SPLIT=split > 1, MAX_SPLITS=split if 1 < split <= 16 else 0, GATED=gated,
+             R=r, PDL=pdl)
+    sig.update(dict.fromkeys(c, "constexpr"))
+    ck = compile(GluonASTSource(fn=M._int4_mma_kernel, signature=sig, constexprs=c,
+                                attrs={(i,): [["tt.divisibility", 16]] for i in range(8)}),
+                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = ck.asm["ptx"]
+    out.append([ptx.count("mma.sync.aligned.m16n8k16"), ck.metadata.shared, ptx.count("griddepcontrol.wait")])
+print(json.dumps(out))
+"""
+
+
+def test_int4_mma_compiles_for_hopper():
+    """The 4-bit tensor-core kernel (kernels/int4_mma.py, Gluon) through Triton's compiler for sm_90: plain and
+    gated, bfloat16 and float16, groups of one step and one group for all of K, bias, K whole and split (the
+    partials' sum unrolled or not), with and without PDL. It multiplies with mma.sync, builds its operands in
+    registers (shared memory holds at most the split count's broadcast, no operand staging) and waits for the
+    kernel before only with PDL."""
+    from headrace.kernels import int4_mma
+    if int4_mma.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    cases = [("bf16", False, 1, 128, False, 16, True), ("fp16", False, 1, 0, True, 1, True),
+             ("bf16", True, 2, 128, True, 6, True), ("fp16", True, 2, 256, False, 1, False),
+             ("bf16", False, 1, 128, False, 17, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _INT4_MMA_COMPILE], input=json.dumps(cases), capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for case, (mma, shared, wait) in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
+        assert mma >= 8 * case[2] and shared <= 16 and wait == (1 if case[6] else 0), (case, mma, shared, wait)

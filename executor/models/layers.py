@@ -46,7 +46,7 @@ def project(
     x + residual, x without one, None without norm). A few rows through a float
     layer that fuse_few_rows prepared, on a GPU, take one launch for all of it
     (kernels/dense.py); an FP8 layer that quantizes its input makes it with the
-    norm in one launch (Fp8Linear.normed); a 4-bit layer's one-row kernel takes SiLU-and-mul
+    norm in one launch (Fp8Linear.normed); a 4-bit layer's few-row kernels take SiLU-and-mul
     (Int4Linear.forward_gated); otherwise the steps run one by one."""
     counts = getattr(linear, "splitk_counts", None)
     plain = norm is None and not gated
@@ -60,7 +60,7 @@ def project(
         return (silu_and_mul(y) if gated else y), residual
     if norm is not None:
         x, residual = prenorm(dispatch.rms_norm, x, norm.weight, norm.eps, residual)
-    runs_gated = getattr(linear, "runs_gated", None)  # a 4-bit layer, whose one-row kernel takes SiLU-and-mul
+    runs_gated = getattr(linear, "runs_gated", None)  # a 4-bit layer, whose few-row kernels take SiLU-and-mul
     if gated and runs_gated is not None and runs_gated(x):
         return linear.forward_gated(x), residual
     y = linear(x)

@@ -20,7 +20,6 @@ from headrace.checkpoint.quant_config import QuantConfig
 from headrace.config import EngineArgs
 from headrace.kernels import fp8, gguf, int4
 from headrace.kernels.gguf import PackedGGUF
-from headrace.kernels.int4_gemv import int4_gemv
 from headrace.kernels.splitk import counters
 
 # The projections each decoder layer holds.
@@ -123,14 +122,15 @@ class Int4Linear(nn.Module):
         return int4.int4_linear_ref(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
 
     def runs_gated(self, x: torch.Tensor) -> bool:
-        """Whether forward_gated takes x [tokens, in] in one launch: one 16-bit row on a GPU."""
-        return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.float16, torch.bfloat16)
+        """Whether forward_gated takes x [tokens, in] in one launch: one 16-bit row on a GPU, or int4.mma_rows."""
+        return x.is_cuda and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16) and (
+            x.shape[0] == 1 or int4.mma_rows(x, self.qweight, self.group_size))
 
     def forward_gated(self, x: torch.Tensor) -> torch.Tensor:
-        """silu_and_mul(self(x)) where runs_gated(x), SiLU-and-mul in the one-row kernel's epilogue (a gate|up
+        """silu_and_mul(self(x)) where runs_gated(x), SiLU-and-mul in the projection kernel's epilogue (a gate|up
         projection: the first half of the outputs is the gate)."""
-        return int4_gemv(self._packed_order(x).contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
-                         self.bias, self.counts, gated=True)
+        return int4.gated_rows(self._packed_order(x).contiguous(), self.qweight, self.scales, self.zeros,
+                               self.group_size, self.bias, self.counts)
 
 
 class GGUFLinear(nn.Module):
