@@ -170,6 +170,19 @@ def _f32_sums_bound(x: torch.Tensor, scales: torch.Tensor, group: int) -> torch.
     return (x.double().abs() @ scales.double().repeat_interleave(group, dim=0)) * 2**-9
 
 
+def _gated_bound(gu: torch.Tensor, d_sums: torch.Tensor, half_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """gu [rows, N] float64 (gate, then up) -> (silu(gate) * up, what a kernel's SiLU-and-mul may be off by): gate
+    and up within d_sums (the float32 sums' error) and one rounding to the model dtype, SiLU rounded, the product
+    rounded."""
+    d_gu = d_sums + half_eps * (gu.abs() + d_sums)
+    n = gu.shape[1]
+    (gate, up), (dg, du) = gu.split(n // 2, dim=1), d_gu.split(n // 2, dim=1)
+    act = torch.nn.functional.silu(gate)
+    d_act = 1.1 * dg + half_eps * (act.abs() + 1.1 * dg)
+    allowed = d_act * (up.abs() + du) + act.abs() * du
+    return act * up, allowed + half_eps * ((act * up).abs() + allowed)
+
+
 # (K, N, G): a partial last tile of features (N / 2 = 40 and 65), K = G (its last slice masked), G = 16, whole
 # tiles; on the GPU a wide layer whose K is not split.
 GATED_SHAPES = [(256, 80, 128), (40, 96, 40), (128, 40, 16), (256, 128, 64)]
@@ -196,18 +209,12 @@ def test_one_row_gemv_gated(k, n, g, dtype, monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
     counts = counters(split_k_tiles(n), DEVICE)
     for b in (None, bias):
-        gu = x.double() @ w.t() + (0 if b is None else b.double())
-        d_gu = _f32_sums_bound(x, scales, g)
-        d_gu += half_eps * (gu.abs() + d_gu)
-        (gate, up), (dg, du) = gu.split(n // 2, dim=1), d_gu.split(n // 2, dim=1)
-        act = torch.nn.functional.silu(gate)
-        d_act = 1.1 * dg + half_eps * (act.abs() + 1.1 * dg)
-        allowed = d_act * (up.abs() + du) + act.abs() * du
-        allowed += half_eps * ((act * up).abs() + allowed)
+        want, allowed = _gated_bound(x.double() @ w.t() + (0 if b is None else b.double()),
+                                     _f32_sums_bound(x, scales, g), half_eps)
         for split_k in GATED_SPLITS:
             got = int4_gemv(x, qweight, scales, zeros, g, b, counts, split_k, gated=True)
             assert got.shape == (1, n // 2) and got.dtype == dtype
-            err = (got.double() - act * up).abs()
+            err = (got.double() - want).abs()
             assert bool((err <= allowed).all()), f"split {split_k}: max error {err.max():.3g}"
             assert not counts.any()
     with pytest.raises(ValueError, match="as many up as gate outputs"):
@@ -351,17 +358,11 @@ def test_mma_rows_gated(rows, k, n, g, split_k, dtype):
     half_eps = torch.finfo(dtype).eps / 2
     counts = counters(split_k_tiles(n), DEVICE)
     for b in (None, bias):
-        gu = x.double() @ w.t() + (0 if b is None else b.double())
-        d_gu = (x.double().abs() @ w.abs().t()) * 2**-20
-        d_gu += half_eps * (gu.abs() + d_gu)
-        (gate, up), (dg, du) = gu.split(n // 2, dim=1), d_gu.split(n // 2, dim=1)
-        act = torch.nn.functional.silu(gate)
-        d_act = 1.1 * dg + half_eps * (act.abs() + 1.1 * dg)
-        allowed = d_act * (up.abs() + du) + act.abs() * du
-        allowed += half_eps * ((act * up).abs() + allowed)
+        want, allowed = _gated_bound(x.double() @ w.t() + (0 if b is None else b.double()),
+                                     (x.double().abs() @ w.abs().t()) * 2**-20, half_eps)
         got = int4_mma(x, qweight, scales, zeros, g, b, counts, split_k, gated=True)
         assert got.shape == (rows, n // 2) and got.dtype == dtype
-        err = (got.double() - act * up).abs()
+        err = (got.double() - want).abs()
         assert bool((err <= allowed).all()), f"max error {err.max():.3g}"
         assert not counts.any()
 
