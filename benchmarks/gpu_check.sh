@@ -27,6 +27,7 @@
 #   pattention  benchmarks/prefill_attention.py --sweep (the prefill attention kernel by tile, beside torch's flash)
 #   sampling    benchmarks/sampling_kernel.py (the Gumbel sampling kernel against the logits' bytes and torch's sampler)
 #   dense       benchmarks/dense_kernel.py (few-row projections with their norm and activation, against cuBLAS)
+#   int4mma     benchmarks/int4_mma.py (4-bit projections of 1-8 rows on mma.sync, against int4_gemv and tl.dot)
 #   startup     benchmarks/startup.py $STARTUP_ARGS (LLM, AsyncEngine.from_model and headrace serve: spawn to
 #               ready, with the core's phases; needs the http wheels for serve)
 #   single      benchmarks/single_stream.py $SINGLE_ARGS (batch-1 decode on the Qwen3-0.6B shape and the SmolLM2
@@ -86,6 +87,7 @@ for stage in "$@"; do
     pattention) python3 benchmarks/prefill_attention.py --sweep 2>&1 | grep -v -i warn | tee "$out/prefill_attention.log" ;;
     sampling) python3 benchmarks/sampling_kernel.py 2>&1 | grep -v -i warn | tee "$out/sampling_kernel.log" ;;
     dense) python3 benchmarks/dense_kernel.py ${DENSE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/dense_kernel.log" ;;
+    int4mma) python3 benchmarks/int4_mma.py 2>&1 | grep -v -i warn | tee "$out/int4_mma.log" ;;
     single) python3 benchmarks/single_stream.py ${SINGLE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/single_stream.log" ;;
     startup) python3 benchmarks/startup.py ${STARTUP_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/startup.log" ;;
     ttft) python3 benchmarks/request_ttft.py ${TTFT_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/request_ttft.log" ;;

@@ -206,13 +206,14 @@ if gluon is not None:
                 f = tile * (BM // 2) + gl.arange(0, BM // 2, layout=gl.SliceLayout(1, y.type.layout))
                 ry = gl.arange(0, 8, layout=gl.SliceLayout(0, y.type.layout))
                 gl.store(out_ptr + ry[None, :] * (N // 2) + f[:, None], y,
-                         mask=(ry < n_rows)[None, :] & (f >= 0)[:, None])
+                         mask=(ry < n_rows)[None, :] & (f < N // 2)[:, None])
             else:
                 gl.store(out_ptr + offs, total.to(dtype), mask=mask)
 
 
 def usable(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
-    """Whether int4_mma takes this call: an sm_90 GPU, 1..ROWS rows of a 16-bit model contiguous along K,
+    """Whether int4_mma takes this call: an sm_90 GPU, 1..ROWS rows of a 16-bit model contiguous along K (their
+    stride a multiple of 8),
     K a multiple of STEP with groups of whole steps, N a multiple of both tiles (128)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     return (gluon is not None and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= ROWS
