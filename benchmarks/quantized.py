@@ -311,6 +311,17 @@ def gguf() -> None:
         print(f"  {text[:48]:<48} {'same' if d is None else d} ({len(a)} and {len(b)} tokens)")
 
 
+def _batches(value: str) -> tuple[int, ...]:
+    """--batches: positive batch sizes, comma-separated."""
+    try:
+        batches = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch sizes are integers, got {value!r}") from None
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes are 1 or more, got {value!r}")
+    return batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
@@ -318,7 +329,7 @@ def main() -> None:
     parser.add_argument("--quantize-embeddings", action="store_true",
                         help="memory and decode also for the quantized formats with quantize_embeddings=True")
     parser.add_argument("--num-requests", type=int, default=64, help="requests of the community workload")
-    parser.add_argument("--batches", type=lambda v: tuple(map(int, v.split(","))), default=(1, 16),
+    parser.add_argument("--batches", type=_batches, default=(1, 16),
                         help="BATCH[,...]: the decode part's batch sizes")
     parser.add_argument("--profile", default="", help="BATCH[,...]: profile those batches' decode steps")
     args = parser.parse_args()

@@ -183,13 +183,13 @@ if gluon is not None:
             next_zq = _zero_pairs(z_ptr, next_group * N + col, dtype)
             next_scale = gl.load(s_ptr + next_group * N + col_acc).to(gl.float32)
             b = _rows(x_ptr, x_at, x_mask, k0, b_layout)
-            a = _weights(words, zq[:, None] + words * 0, dtype, a_layout, BM)
+            a = _weights(words, gl.broadcast(zq[:, None], words)[0], dtype, a_layout, BM)
             total += mma_v2(a, b, zero_acc) * scale[:, None]
             words, zq, scale = next_words, next_zq, next_scale
 
         rr = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         offs = rr[None, :] * N + col_acc[:, None]
-        mask = (rr < n_rows)[None, :] & (m_acc < BM)[:, None]
+        mask = (rr < n_rows)[None, :] & (col_acc < N)[:, None]
         last = True
         if SPLIT:
             total, last = _sum_splits(total, part_ptr, count_ptr, tile, split, gl.num_programs(1), n_rows * N, offs,
@@ -211,14 +211,29 @@ if gluon is not None:
                 gl.store(out_ptr + offs, total.to(dtype), mask=mask)
 
 
-def usable(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
-    """Whether int4_mma takes this call: an sm_90 GPU, 1..ROWS rows of a 16-bit model contiguous along K (their
-    stride a multiple of 8),
-    K a multiple of STEP with groups of whole steps, N a multiple of both tiles (128)."""
+def _unsupported(x: torch.Tensor, qweight: torch.Tensor, group_size: int, r: int) -> str | None:
+    """Why int4_mma cannot take x [rows, K] against qweight with R row tiles a warp, or None."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    return (gluon is not None and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= ROWS
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and x.stride(0) % 8 == 0
-            and k % STEP == 0 and (group_size == k or group_size % STEP == 0) and n % 128 == 0 and _sm90(x.device))
+    if r not in (1, 2):
+        return f"int4_mma's R (MMA row tiles a warp) is 1 or 2, got {r}"
+    if x.dim() != 2 or not 0 < x.shape[0] <= ROWS:
+        return f"int4_mma takes 1 to {ROWS} rows, got {x.shape[0] if x.dim() == 2 else tuple(x.shape)}"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"int4_mma takes bfloat16 or float16 rows, got {x.dtype}"
+    if x.stride(1) != 1 or x.stride(0) % 8:
+        return "int4_mma reads rows contiguous along K, their stride a multiple of 8"
+    if k % STEP or (group_size != k and group_size % STEP):
+        return f"int4_mma takes K and groups in whole steps of {STEP}, got K = {k}, group_size {group_size}"
+    if n % (64 * r):
+        return f"int4_mma with R = {r} takes N in tiles of {64 * r}, got N = {n}"
+    return None
+
+
+def usable(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
+    """Whether int4_mma takes this call with either config: an sm_90 GPU, and nothing _unsupported at R = 2 (1..ROWS
+    rows of a 16-bit model contiguous along K, their stride a multiple of 8, K and the groups whole steps, N a
+    multiple of both tiles)."""
+    return gluon is not None and x.is_cuda and _unsupported(x, qweight, group_size, 2) is None and _sm90(x.device)
 
 
 @functools.cache
@@ -233,9 +248,10 @@ def int4_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     counts: split-K counters for N // 64 tiles; split_k: the K splits (0: none from WHOLE_K_TILES tiles an SM,
     else about the config's programs an SM); config: (R, programs an SM), CONFIGS[gated] unless given."""
     r, programs_per_sm = config or CONFIGS[gated]
+    problem = _unsupported(x, qweight, group_size, r)
+    if problem:
+        raise ValueError(problem)
     rows, k = x.shape
-    if not 0 < rows <= ROWS:
-        raise ValueError(f"int4_mma takes 1 to {ROWS} rows, got {rows}")
     n = qweight.shape[1]
     if x.data_ptr() % 16:
         x = x.clone()

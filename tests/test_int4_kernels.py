@@ -369,7 +369,8 @@ def test_mma_rows_gated(rows, k, n, g, split_k, dtype):
 
 def test_mma_refuses_rows_past_its_width():
     """The tensor-core kernel multiplies at most ROWS rows (its MMA's B width): more, or none, is refused by name
-    before anything launches."""
+    before anything launches, as are rows it cannot read (float32, a stride not a multiple of 8), K or groups not in
+    whole steps, N not in whole tiles, and an R it has no layout for."""
     from headrace.kernels.int4_mma import ROWS, int4_mma
 
     qweight, scales, zeros = _layer(128, 128, 128, torch.float16, seed=5)
@@ -377,3 +378,14 @@ def test_mma_refuses_rows_past_its_width():
         x = torch.zeros(rows, 128, dtype=torch.float16, device=DEVICE)
         with pytest.raises(ValueError, match=f"int4_mma takes 1 to {ROWS} rows, got {rows}"):
             int4_mma(x, qweight, scales, zeros, 128, None)
+    x = torch.zeros(2, 128, dtype=torch.float16, device=DEVICE)
+    narrow = [t[:, :64].contiguous() for t in (qweight, scales, zeros)]  # N = 64: one R = 1 tile, half an R = 2 one
+    cases = [((x.float(), qweight, scales, zeros, 128, None), {}, "bfloat16 or float16 rows, got torch.float32"),
+             ((torch.zeros(2, 130, dtype=torch.float16, device=DEVICE)[:, :128], qweight, scales, zeros, 128, None), {},
+              "stride a multiple of 8"),
+             ((x[:, :64].contiguous(), qweight[:8], scales, zeros, 64, None), {}, "K = 64, group_size 64"),
+             ((x, *narrow, 128, None), {"config": (2, 8)}, "R = 2 takes N in tiles of 128, got N = 64"),
+             ((x, qweight, scales, zeros, 128, None), {"config": (4, 4)}, "R .MMA row tiles a warp. is 1 or 2, got 4")]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            int4_mma(*args, **kwargs)
