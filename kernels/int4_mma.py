@@ -189,7 +189,7 @@ if gluon is not None:
 
         rr = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
         offs = rr[None, :] * N + col_acc[:, None]
-        mask = (rr < n_rows)[None, :] & (col_acc < N)[:, None]
+        mask = (rr < n_rows)[None, :] & (m_acc < BM)[:, None]  # (the second term only gives the mask its shape)
         last = True
         if SPLIT:
             total, last = _sum_splits(total, part_ptr, count_ptr, tile, split, gl.num_programs(1), n_rows * N, offs,
