@@ -8,7 +8,7 @@ through the OpenAI-compatible HTTP server with the openai client.
         [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--client openai|httpx]
         [--prompts text|ids] [--rates 8,24]
         [--tensor-parallel-size 1] [--data-parallel-size 1 (http: serve's cores)]
-        [--repeats 1] [--loop-load MS] [--py-spy SECONDS]
+        [--repeats 1] [--poisson-runs 1] [--loop-load MS] [--py-spy SECONDS]
         [--device auto] [--model DIR] [--max-prompt 1024] [--max-output 1024] [--json PATH]
 
 Workload (benchmarks_common.workload, as in throughput.py): seed 0; prompts
@@ -64,6 +64,10 @@ Parts:
   with return_token_ids, so that a chunk's tokens are counted exactly; TTFT
   and ITL as poisson measures them. Target: TTFT p99 and ITL p99 within 1.5x
   of poisson's at the same rate.
+  --poisson-runs N runs each rate N times in both parts; run i through HTTP is
+  set against AsyncEngine's run i, and a row a path and rate gives the median
+  over the runs of each figure (the p99 of 256 requests is their third
+  slowest, and one run's can move 2x from run to run).
 
 Both Poisson parts also split the mean TTFT: the client's, against the
 frontends' own (from a request's arrival at its frontend, after tokenizing,
@@ -358,7 +362,8 @@ async def spawned_engine_parts(args, prompts, max_tokens) -> dict:
     order, through one SpawnedEngine: {part: [result of each run]}."""
     plan = {"burst": [("burst", timed_burst, None)],
             "burst-logprobs": [(f"burst-logprobs run {i + 1}", timed_burst, NUM_LOGPROBS) for i in range(args.repeats)],
-            "poisson": [(f"poisson {rate:g} req/s", poisson, rate) for rate in args.rates]}
+            "poisson": [(f"poisson {rate:g} req/s{run_name(i, args)}", poisson, rate)
+                        for rate in args.rates for i in range(args.poisson_runs)]}
     results = {}
     engine = SpawnedEngine(args)
     try:
@@ -367,6 +372,8 @@ async def spawned_engine_parts(args, prompts, max_tokens) -> dict:
             for name, measure, arg in plan[part]:
                 with host_profile(args.py_spy if part == "poisson" else 0, name):
                     results[part].append(await engine.measure(measure, prompts, max_tokens, arg, args.loop_load))
+                if part == "poisson":
+                    number_runs(results[part])
                 log(name, results[part][-1])
     finally:
         await engine.close()
@@ -529,9 +536,9 @@ def http(args, prompts, max_tokens) -> dict:
         if "http-poisson" in args.parts:
             results["http-poisson"] = []
             metrics_url = url.removesuffix("/v1") + "/metrics"  # every API server's frontend stats, merged
-            for rate in args.rates:
-                totals = {}
-                with host_profile(args.py_spy, f"http-poisson {rate:g} req/s", deferred=True) as go:
+            for rate, i in ((rate, i) for rate in args.rates for i in range(args.poisson_runs)):
+                totals, name = {}, f"http-poisson {rate:g} req/s{run_name(i, args)}"
+                with host_profile(args.py_spy, name, deferred=True) as go:
                     def on_go():
                         totals["before"] = page_totals(metrics_url)
                         go()
@@ -542,7 +549,8 @@ def http(args, prompts, max_tokens) -> dict:
                                                 "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
                                                 "ttft_mean_ms": mean_ms(ttft),
                                                 "frontend_ms": span_means(totals["before"], page_totals(metrics_url))})
-                log(f"http-poisson {rate:g} req/s", results["http-poisson"][-1])
+                number_runs(results["http-poisson"])
+                log(name, results["http-poisson"][-1])
     return results
 
 
@@ -621,19 +629,55 @@ def median_of_runs(runs: list[dict]) -> tuple[float | None, list[str]]:
     return (statistics.median(good) if good else None), notes
 
 
+def run_name(i: int, args) -> str:
+    return f" run {i + 1}" if args.poisson_runs > 1 else ""
+
+
+def number_runs(runs: list[dict]) -> None:
+    """Number the last of a Poisson part's runs among those at its rate (1, 2, ...)."""
+    runs[-1]["run"] = sum(r["rate"] == runs[-1]["rate"] for r in runs)
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One path's runs at one rate as one row: the median over the runs of each figure."""
+    def each(key, size):  # the median of each position of a list figure (p50, p90, p99)
+        lists = [r[key] for r in runs if r[key]]
+        return [statistics.median(v[i] for v in lists) for i in range(size)] if lists else None
+
+    first = runs[0]
+    return {"path": first["path"], "rate": first["rate"], "run": f"median of {len(runs)} runs",
+            "requests": min(r["requests"] for r in runs), "tok_s": _median([tok_s(r) for r in runs]),
+            "ttft_ms": each("ttft_ms", 3), "itl_ms": each("itl_ms", 3),
+            "ttft_mean_ms": _median([r["ttft_mean_ms"] for r in runs]),
+            "frontend_ms": {k: _median([r["frontend_ms"][k] for r in runs]) for k in first["frontend_ms"]},
+            "dead_streams": sum(r.get("dead_streams", 0) for r in runs),
+            "failed_requests": sum(r.get("failed_requests", 0) for r in runs),
+            "errors": [e for r in runs for e in r.get("errors", ())][:5]}
+
+
 def poisson_rows(results: list[dict]) -> list[dict]:
-    """poisson's and http-poisson's runs, with notes on their targets; an HTTP run is set
-    against AsyncEngine's at the same rate."""
-    rows = []
-    engine = {r["rate"]: r for r in results if r["path"] == "AsyncEngine"}
+    """poisson's and http-poisson's runs, with notes on their targets, and where a rate has several runs a
+    row of their medians a path; an HTTP run is set against AsyncEngine's run of the same number at the
+    same rate, an HTTP median row against AsyncEngine's."""
+    groups = {}
     for r in results:
+        groups.setdefault((r["path"], r["rate"]), []).append(r)
+    medians = [median_row(runs) for runs in groups.values() if len(runs) > 1]
+    engine = {(r["rate"], r.get("run")): r for r in results + medians if r["path"] == "AsyncEngine"}
+    rows = []
+    for r in results + medians:
         ttft, itl = r["ttft_ms"], r["itl_ms"]
         notes = []
         if r.get("dead_streams"):
             notes.append(f"EngineDeadError in {r['dead_streams']} streams")
         if r.get("failed_requests"):
             notes.append(f"{r['failed_requests']} failed requests, first: {r['errors'][0]}")
-        peer = engine.get(r["rate"]) if r["path"] != "AsyncEngine" else None
+        peer = engine.get((r["rate"], r.get("run"))) if r["path"] != "AsyncEngine" else None
         if peer and ttft and itl and peer["ttft_ms"] and peer["itl_ms"]:
             for name, mine, theirs in (("TTFT", ttft, peer["ttft_ms"]), ("ITL", itl, peer["itl_ms"])):
                 ratio = mine[2] / theirs[2]
@@ -641,7 +685,10 @@ def poisson_rows(results: list[dict]) -> list[dict]:
         elif ttft and itl:
             notes.append(f"TTFT p99 < 200 ms: {'yes' if ttft[2] < 200 else 'no'}")
             notes.append(f"ITL p99 / p50 = {itl[2] / itl[0]:.2f} (< 3: {'yes' if itl[2] < 3 * itl[0] else 'no'})")
-        rows.append({**r, "tok_s": tok_s(r), "notes": "; ".join(notes)})
+        several = len(groups[r["path"], r["rate"]]) > 1
+        number = r.get("run")  # an int, or "median of N runs"
+        label = r["path"] + (f", {number}" if isinstance(number, str) else f", run {number}" if several else "")
+        rows.append({**r, "tok_s": r.get("tok_s") or tok_s(r), "label": label, "notes": "; ".join(notes)})
     return rows
 
 
@@ -662,7 +709,7 @@ def print_tables(paths: list[dict], poisson_results: list[dict]) -> None:
             f = r["frontend_ms"]
             means = (f"{fmt(r['ttft_mean_ms'], '.1f')} / {fmt(f['ttft'], '.1f')} "
                      f"({fmt(f['queue'], '.1f')} + {fmt(f['prefill'], '.1f')})")
-            print(f"| {r['path']} | {r['rate']:g} | {r['requests']} | {r['tok_s']:.0f} | {ttft} | {itl} | {means} "
+            print(f"| {r['label']} | {r['rate']:g} | {r['requests']} | {r['tok_s']:.0f} | {ttft} | {itl} | {means} "
                   f"| {r['notes']} |")
 
 
@@ -683,6 +730,7 @@ def parse_args():
                              "sends it), or the token ids")
     parser.add_argument("--rates", default="8,24", help="Poisson arrival rates, requests/s")
     parser.add_argument("--repeats", type=int, default=1, help="runs of burst-logprobs")
+    parser.add_argument("--poisson-runs", type=int, default=1, help="runs of each rate in poisson and http-poisson")
     parser.add_argument("--loop-load", type=float, default=0.0, metavar="MS",
                         help="block the frontends' event loops for MS ms every 10 ms")
     parser.add_argument("--device", default="auto")
@@ -705,6 +753,9 @@ def parse_args():
     missing = [m for m in (args.client, "starlette", "uvicorn", "httptools") if importlib.util.find_spec(m) is None]
     if set(HTTP_PARTS) & set(args.parts) and missing:
         parser.error(f"the http part needs {', '.join(missing)} (and their dependencies); or leave it out of --parts")
+    for name in ("repeats", "poisson_runs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} takes a count >= 1, got {getattr(args, name)}")
     if not args.py_spy >= 0:
         parser.error(f"--py-spy takes seconds >= 0, got {args.py_spy}")
     args.rates = [float(r) for r in args.rates.split(",")]
