@@ -37,6 +37,12 @@
 #               through httpx and the openai client; needs the http wheels)
 #   pdl         benchmarks/decode_step.py at batch 1 and 8, context 1024, with HEADRACE_FUSED_PROJECTIONS and
 #               HEADRACE_PDL off and on, twice each, in turn
+#   targets     every step and throughput target of issues 21 and 22 in one call (about 6 minutes on an H200):
+#               decode_step.py at batch 1 and 8, contexts 1024 and 4096; throughput.py's overlapped run twice,
+#               by rows; quantized.py's batch-1 decode in bf16, fp8 and int4, and its community part
+#   targets-serving  issue 22's serving targets (about 7 minutes): serving.py's bursts (logprobs=5 three times)
+#               and Poisson arrivals at 8 and 24 req/s in process and through HTTP, each rate three times
+#               (--poisson-runs); needs the http wheels. With the startup stage, every target is measured
 #   ab          $AB_CMD (a shell command, run from a tree's root) in this tree and in the copy of the project at
 #               $AB_TREE (say `git archive REV | tar -x -C DIR`, carried along), in turn, $AB_RUNS times each
 #               (default 2): both sides of a comparison on one machine, each named by its source_id
@@ -91,6 +97,12 @@ for stage in "$@"; do
     single) python3 benchmarks/single_stream.py ${SINGLE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/single_stream.log" ;;
     startup) python3 benchmarks/startup.py ${STARTUP_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/startup.log" ;;
     ttft) python3 benchmarks/request_ttft.py ${TTFT_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/request_ttft.log" ;;
+    targets) { python3 benchmarks/decode_step.py --batches 1,8 --contexts 1024,4096 --steps 64
+               python3 benchmarks/throughput.py --parts overlapped --repeats 2 --by-rows
+               python3 benchmarks/quantized.py --parts decode,community --formats bf16,fp8,int4 --batches 1
+             } 2>&1 | grep -v -i warn | tee "$out/targets.log" ;;
+    targets-serving) python3 benchmarks/serving.py --device cuda --parts inproc,burst,burst-logprobs,http,poisson,http-poisson \
+                       --repeats 3 --poisson-runs 3 --rates 8,24 2>&1 | grep -v -i warn | tee "$out/targets_serving.log" ;;
     pdl) for run in 1 2; do
            for v in "0 0" "1 0" "0 1" "1 1"; do set -- $v
              echo "--- fused $1, pdl $2" | tee -a "$out/decode_switches.log"
