@@ -688,7 +688,7 @@ def poisson_rows(results: list[dict]) -> list[dict]:
         several = len(groups[r["path"], r["rate"]]) > 1
         number = r.get("run")  # an int, or "median of N runs"
         label = r["path"] + (f", {number}" if isinstance(number, str) else f", run {number}" if several else "")
-        rows.append({**r, "tok_s": r.get("tok_s") or tok_s(r), "label": label, "notes": "; ".join(notes)})
+        rows.append({**r, "tok_s": r["tok_s"] if "tok_s" in r else tok_s(r), "label": label, "notes": "; ".join(notes)})
     return rows
 
 
