@@ -11,7 +11,9 @@
 #               process and through HTTP; --py-spy SECONDS needs py-spy among the wheels); its http parts
 #               need among the wheels starlette, uvicorn, httptools, openai, pydantic, pydantic-core,
 #               jiter, distro, sniffio, annotated-types, typing-inspection (cp312 for the compiled ones;
-#               the machine has httpx, anyio, h11, click and tqdm)
+#               the machine has httpx, anyio, h11, click and tqdm); openai 3.x also needs httpx2, httpcore2,
+#               truststore and newer anyio, h11 and idna, and uvloop and prometheus-client may be missing too
+#               (all carried, the HTTP parts ran on an H200 on 2026-11-28)
 #   prefill     benchmarks/prefill_step.py, profiling batch 64 with a 512-token prompt
 #   gguf        benchmarks/gguf_parity.py (needs gguf and accelerate among the wheels and the SmolLM2
 #               file already in $HEADRACE_CACHE_DIR/smollm2: the machine cannot fetch it)
