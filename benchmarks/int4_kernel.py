@@ -1,6 +1,7 @@
 """int4_linear (kernels/int4.py) on Qwen3-8B's projection shapes, against its floor and bf16 F.linear.
 
     python3 benchmarks/int4_kernel.py [--ms 1,16,64,256,2048] [--shapes 4096x4096] [--group 128] [--sweep]
+                                      [--stages 4,6,8]
 
 For (N, K) in 6144x4096 (q|k|v), 4096x4096 (o_proj), 24576x4096 (gate|up) and
 4096x12288 (down), as the model runs them, group size 128, bf16 activations,
@@ -15,7 +16,10 @@ largest difference from int4_linear_ref relative to the largest output. The
 table's config is timed at every M; at one row and from DEQUANTIZE_ROWS rows
 int4_linear runs another path, timed on a line of its own. --sweep also times
 the candidate configs of each M bucket, and at one row GEMV_SWEEP's configs of
-the one-row kernel.
+the one-row kernel. --stages times the one-row kernel (table config) with its K
+loop pipelined that many stages (by default 4 where K is whole, 1 where it is
+split), and gate|up also gated (SiLU-and-mul in its epilogue, as the model runs
+it); each line says whether its bits equal the default's.
 """
 from __future__ import annotations
 
@@ -80,7 +84,11 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,...")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--stages", default="", help="S,...: the one-row kernel's K loop at these stage counts")
     args = parser.parse_args()
+    stages = [int(v) for v in args.stages.split(",") if v]
+    if any(v < 1 for v in stages):
+        parser.error(f"--stages takes counts >= 1, got {args.stages}")
     bw, rate = measure_ceilings("cuda")
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     print(f"{'N x K':>12} {'M':>5} {'int4 us':>8} {'floor us':>8} {'x floor':>7} {'bf16 us':>8} {'int4/bf16':>9}"
@@ -120,6 +128,17 @@ def main() -> None:
                                      for lay in layers])
                     print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f} {t / peer:9.2f}"
                           f" {e:8.1e}  one-row kernel {cfg} (table: {GEMV_CONFIG})", flush=True)
+            if m == 1 and stages:  # the one-row kernel's K loop at other stage counts; gate|up also gated
+                first = layers[0]
+                for gated in (False, True) if (n, k) == SHAPES[2] else (False,):
+                    base = int4_gemv(x, *first[:3], g, None, first[3], gated=gated)
+                    for st in stages:
+                        same = torch.equal(base, int4_gemv(x, *first[:3], g, None, first[3], gated=gated, stages=st))
+                        t = per_call_us([lambda lay=lay: int4_gemv(x, *lay[:3], g, None, lay[3], gated=gated,
+                                                                   stages=st) for lay in layers])
+                        print(f"{n:>6}x{k:<5} {m:>5} {t:8.1f} {floor:8.1f} {t / floor:7.2f} {peer:8.1f}"
+                              f" {t / peer:9.2f} {'':>8}  one-row kernel, {st} stages{', gated' if gated else ''}"
+                              f" (bits as the default's: {same})", flush=True)
 
 
 if __name__ == "__main__":

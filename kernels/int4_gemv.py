@@ -196,13 +196,17 @@ _UNROLLED_SUM = 16  # up to this many splits the last program loads their partia
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, counts: torch.Tensor | None = None, split_k: int = 0,
-              config: tuple[int, int, int, int] = CONFIG, gated: bool = False) -> torch.Tensor:
+              config: tuple[int, int, int, int] = CONFIG, gated: bool = False,
+              stages: int | None = None) -> torch.Tensor:
     """int4_linear_ref for x [1, K] (float16 / bfloat16; int4_linear has checked the shapes) -> [1, N], or
     with gated, silu_and_mul of it -> [1, N // 2] in the same launch (a gate|up projection: gate the first
     half of the outputs, up the second).
     counts: split-K counters for cdiv(N, block_n) tiles; split_k: the K splits (0: none from WHOLE_K_TILES
-    tiles an SM, else by the config's programs an SM); config: as CONFIG (benchmarks compare others)."""
+    tiles an SM, else by the config's programs an SM); config: as CONFIG (benchmarks compare others);
+    stages: the K loop's software-pipeline stages (None: 4 with K whole, 1 with K split)."""
     block_n, block_k, num_warps, programs_per_sm = config
+    if stages is not None and stages < 1:
+        raise ValueError(f"int4_gemv's K loop takes 1 or more stages, got {stages}")
     k, n = x.shape[1], qweight.shape[1]
     if gated and n % 2:
         raise ValueError(f"a gated projection has as many up as gate outputs, got {n} outputs")
@@ -218,7 +222,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         split_k = 1
     k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, programs_per_sm, split_k)
     # (with gated and splits, the partials span all N columns: part is [splits, 1, N])
-    stages = 4 if splits == 1 else 1
+    if stages is None:
+        stages = 4 if splits == 1 else 1
     _int4_gemv_kernel[(tiles, splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, k_per_split,
         GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,

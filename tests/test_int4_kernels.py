@@ -164,6 +164,26 @@ def test_one_row_gemv(k, n, g, dtype, monkeypatch):
         _assert_near(got[0], want, x, w)
 
 
+def test_one_row_gemv_stages():
+    """The one-row kernel's K loop pipelined 2 or 3 stages (benchmarks/int4_kernel.py --stages) gives the default's
+    bits and stays near the reference, with K whole and split; fewer than one stage is refused by name."""
+    k, n, g = 512, 128, 128
+    qweight, scales, zeros = _layer(k, n, g, torch.bfloat16, seed=11)
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(11)) * 4).to(torch.bfloat16).to(DEVICE)
+    w = dequantize_int4(qweight, scales, zeros, g, torch.bfloat16)
+    want = int4_linear_ref(x, qweight, scales, zeros, g, None)
+    counts = counters(split_k_tiles(n), DEVICE)
+    for split_k in (1, 2):
+        default = int4_gemv(x, qweight, scales, zeros, g, None, counts, split_k)
+        for stages in (2, 3):
+            got = int4_gemv(x, qweight, scales, zeros, g, None, counts, split_k, stages=stages)
+            assert torch.equal(got, default)
+            _assert_near(got, want, x, w)
+            assert not counts.any()
+    with pytest.raises(ValueError, match="int4_gemv's K loop takes 1 or more stages, got 0"):
+        int4_gemv(x, qweight, scales, zeros, g, None, counts, stages=0)
+
+
 def _f32_sums_bound(x: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """What the one-row kernel's float32 sums may be off by (float64, [1, N]): it adds exact weights against an
     offset of at most 2^11 (kernels/int4_gemv.py), so at most 2^-9 of sum_k |x_k| scale_k."""
