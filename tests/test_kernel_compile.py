@@ -169,6 +169,9 @@ def test_projection_kernels_compile_for_hopper(launches):
     for split_k in (0, 3):  # the one-row kernel, K whole and split, plain and with SiLU-and-mul
         int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, split_k)
         int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, split_k, gated=True)
+    # deeper K loops, as benchmarks/int4_kernel.py --stages times them
+    int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, 1, gated=True, stages=8)
+    int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, 3, stages=3)
     int4_linear(torch.zeros(4, 256, **bf16), qweight, scales, zeros, 128, None, counts)  # tl.dot, K split
 
     names = {k["name"] for k in launches}
