@@ -25,7 +25,7 @@ import triton.language as tl
 
 from headrace.kernels import splitk
 from headrace.kernels.activation import silu_mul
-from headrace.kernels.device import num_sms, pdl_args, wait_for_previous
+from headrace.kernels.device import pdl_args, wait_for_previous
 from headrace.kernels.norm import cast_rtne
 from headrace.kernels.splitk import sum_splits
 
@@ -191,7 +191,6 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
 # (24576x4096: 23.6 us against 28-32 split 3 ways, the split that fills 8 programs an SM).
 CONFIG = (64, 128, 4, 8)  # (BLOCK_N, BLOCK_K, num_warps, programs an SM)
 WHOLE_K_TILES = 2
-_UNROLLED_SUM = 16  # up to this many splits the last program loads their partials at once (sum_splits)
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -218,16 +217,15 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     else:  # a power of two dividing G, so every slice lies in one group
         block_k = min(block_k, group_size & -group_size)
     tiles = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
-    if not split_k and tiles >= WHOLE_K_TILES * num_sms(x.device):
-        split_k = 1
-    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, programs_per_sm, split_k)
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, programs_per_sm, split_k,
+                                                    WHOLE_K_TILES)
     # (with gated and splits, the partials span all N columns: part is [splits, 1, N])
     if stages is None:
         stages = 4 if splits == 1 else 1
     _int4_gemv_kernel[(tiles, splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, k_per_split,
         GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        MAX_SPLITS=triton.next_power_of_2(splits) if splits <= _UNROLLED_SUM else 0, EVEN_K=k % block_k == 0,
+        MAX_SPLITS=splitk.max_splits(splits), EVEN_K=k % block_k == 0,
         EVEN_N=n % block_n == 0, ASM=x.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GATED=gated,
         num_warps=num_warps, num_stages=stages, **pdl_args(x.device))
     return out

@@ -30,10 +30,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from headrace.kernels import splitk
-from headrace.kernels.device import num_sms, pdl_args
+from headrace.kernels.device import pdl_args
+from headrace.kernels.int4_gemv import WHOLE_K_TILES  # with this many tiles an SM, K is not split
 
 try:
     from triton.experimental import gluon
@@ -47,8 +47,6 @@ STEP = 128  # K a step: 16 int32s a weight column
 # H200 at 1-16 rows of Qwen3-8B's projections (benchmarks/RESULTS.md, 2026-11-28)
 CONFIGS = {False: (1, 8), True: (2, 8)}
 ROWS = 8  # the MMA's B width (rows padded to it): the most rows a call takes
-WHOLE_K_TILES = 2  # with this many tiles an SM, K is not split (as int4_gemv)
-_UNROLLED_SUM = 16
 
 if gluon is not None:
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
@@ -257,12 +255,11 @@ def int4_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         x = x.clone()
     out = torch.empty((rows, n // 2 if gated else n), dtype=x.dtype, device=x.device)
     tiles = n // (64 * r)
-    if not split_k and tiles >= WHOLE_K_TILES * num_sms(x.device):
-        split_k = 1
-    k_per_split, splits, part, counts = splitk.plan(tiles, k, STEP, (rows, n), out, counts, programs_per_sm, split_k)
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, STEP, (rows, n), out, counts, programs_per_sm, split_k,
+                                                    WHOLE_K_TILES)
     _int4_mma_kernel[(tiles, splits)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, k_per_split,
         rows, x.stride(0), GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, MAX_SPLITS=triton.next_power_of_2(splits) if splits <= _UNROLLED_SUM else 0,
+        SPLIT=splits > 1, MAX_SPLITS=splitk.max_splits(splits),
         GATED=gated, R=r, num_warps=4, **pdl_args(x.device))
     return out

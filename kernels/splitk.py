@@ -14,6 +14,8 @@ import triton.language as tl
 
 from headrace.kernels.device import num_sms
 
+UNROLLED_SUM = 16  # up to this many splits sum_splits' last program loads the partials at once (max_splits)
+
 
 def counters(tiles: int, device: torch.device | str) -> torch.Tensor:
     """Zeroed counts for a kernel of up to `tiles` output tiles."""
@@ -51,12 +53,21 @@ def sum_splits(acc, part_ptr, count_ptr, tile, split, num_splits, split_stride, 
     return total, last
 
 
+def max_splits(splits: int) -> int:
+    """sum_splits' MAX_SPLITS for a launch of `splits` splits: loads at once up to UNROLLED_SUM, else in turn."""
+    return triton.next_power_of_2(splits) if splits <= UNROLLED_SUM else 0
+
+
 def plan(tiles: int, k: int, block_k: int, shape: tuple[int, int], out: torch.Tensor, counts: torch.Tensor | None,
-         programs_per_sm: int = 2, splits: int = 0) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+         programs_per_sm: int = 2, splits: int = 0,
+         whole_k_tiles: int = 0) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """Split K so that tiles x splits programs fill about programs_per_sm a
     multiprocessor (or into about `splits` runs, if given: tests and
-    benchmarks): (K elements a split, splits, the float32 partials [splits,
+    benchmarks), leaving K whole where there are whole_k_tiles tiles an SM or
+    more (if given): (K elements a split, splits, the float32 partials [splits,
     *shape], the counters). With one split, out stands in for both."""
+    if not splits and whole_k_tiles and tiles >= whole_k_tiles * num_sms(out.device):
+        splits = 1
     slices = triton.cdiv(k, block_k)
     wanted = splits or triton.cdiv(programs_per_sm * num_sms(out.device), tiles)
     per_split = triton.cdiv(slices, min(slices, wanted))

@@ -247,11 +247,17 @@ def test_one_row_gemv_leaves_k_whole_for_wide_layers(monkeypatch):
     result is the reference's; narrower layers split K as before."""
     from headrace.kernels import int4_gemv as gemv_module
 
-    picked = []
+    picked = []  # the split counts planned
     real_plan = gemv_module.splitk.plan
-    monkeypatch.setattr(gemv_module.splitk, "plan", lambda *a: picked.append(a[-1]) or real_plan(*a))
+
+    def plan(*a):
+        planned = real_plan(*a)
+        picked.append(planned[1])
+        return planned
+
+    monkeypatch.setattr(gemv_module.splitk, "plan", plan)
     sms = 3  # a small GPU, to keep the layers small
-    monkeypatch.setattr(gemv_module, "num_sms", lambda device: sms)
+    monkeypatch.setattr(gemv_module.splitk, "num_sms", lambda device: sms)
     block_n = gemv_module.CONFIG[0]
     wide = gemv_module.WHOLE_K_TILES * sms * block_n
     for n, whole in ((wide, True), (wide - block_n, False)):
