@@ -11,7 +11,9 @@ above), of the few-rows kernel
 replays cycling through enough weight copies that none stays in L2. The floor
 is the E4M3 weight bytes at the copy bandwidth measured in this run; the peer
 is F.linear on bf16 weights, timed the same way. --sweep times the few-rows
-kernel's candidate configs at 1, 4 and 16 rows.
+kernel's candidate configs at 1, 4 and 16 rows and fp8_mm's (on rows quantized
+beforehand) at 32 and 64, and at the end ranks each row count's configs by their
+time summed over the shapes (a config that failed on a shape is left out).
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
-from headrace.kernels.fp8 import (DOT_CONFIG, FEW_ROWS, ROW_CONFIG, fp8_few_rows, fp8_linear, quantize_rows,
-                                  quantize_rows_triton)
+from headrace.kernels.fp8 import (DOT_CONFIG, FEW_ROWS, MM_CONFIG, ROW_CONFIG, fp8_few_rows, fp8_linear, fp8_mm,
+                                  quantize_rows, quantize_rows_triton)
 from headrace.kernels.splitk import counters
 
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]  # (N, K)
@@ -41,6 +43,19 @@ def scaled_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor
     return torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=s.t(), out_dtype=x.dtype)
 
 
+SWEPT_ROWS = (1, 4, 16, 32, 64)
+
+
+def sweep_configs(m: int):
+    """--sweep's candidates at m rows: fp8_few_rows' (BLOCK_N, BLOCK_K, warps, stages) up to FEW_ROWS rows,
+    fp8_mm's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) beyond."""
+    if m == 1:
+        return itertools.product((4, 8, 16, 32), (512, 1024, 2048), (4, 8), (1, 2, 3, 4))
+    if m <= FEW_ROWS:
+        return itertools.product((16, 32, 64), (128, 256, 512), (4,), (1, 3))
+    return itertools.product((32, 64), (32, 64, 128), (128, 256), (4,), (3, 5))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", default="1,4,16,32,64")
@@ -52,6 +67,7 @@ def main() -> None:
     print(f"{'N x K':>12} {'M':>4} {'layer us':>9} {'floor us':>9} {'x floor':>8} {'few-rows':>9} {'_scaled_mm':>10} "
           f"{'bf16 us':>8}")
     gen = torch.Generator(device="cuda").manual_seed(0)
+    swept: dict[int, dict[tuple, list[float]]] = {}  # rows -> config -> us on each shape it ran
     for n, k in SHAPES:
         count = max(2, -(-2 * L2_BYTES // (n * k)))
         weights = [quantize_rows(torch.randn(n, k, device="cuda", generator=gen) * 0.02) + (counters(n, "cuda"),)
@@ -66,20 +82,30 @@ def main() -> None:
             peer = per_call_us(lambda w: lambda: F.linear(x, w), [(w,) for w in dense])
             print(f"{n:>6}x{k:<5} {m:>4} {layer:9.1f} {floor:9.1f} {layer / floor:8.2f} {few:9.1f} {cublas:10.1f} "
                   f"{peer:8.1f}")
-            if args.sweep and m in (1, 4, 16):
+            if args.sweep and m in SWEPT_ROWS:
+                x_q, x_s = quantize_rows_triton(x)
                 results = []
-                for cfg in itertools.product((4, 8, 16, 32) if m == 1 else (16, 32, 64),
-                                             (512, 1024) if m == 1 else (128, 256), (4,), (1, 3)):
+                for cfg in sweep_configs(m):
+                    def call(w, s, c, cfg=cfg):
+                        if m > FEW_ROWS:
+                            return lambda: fp8_mm(x_q, x_s, w, s, None, x.dtype, c, cfg)
+                        return lambda: fp8_few_rows(x, w, s, None, c, cfg)
                     try:
-                        us = per_call_us(lambda w, s, c, cfg=cfg: lambda: fp8_few_rows(x, w, s, None, c, cfg),
-                                         weights)
+                        us = per_call_us(call, weights)
                     except Exception as e:  # a config that does not compile or fit
                         print(f"    {cfg}: {type(e).__name__}")
                         continue
                     results.append((us, cfg))
+                    swept.setdefault(m, {}).setdefault(cfg, []).append(us)
                 print("    best configs: " + ", ".join(f"{cfg} {us:.1f}" for us, cfg in sorted(results)[:4]))
         del weights, dense
         torch.cuda.empty_cache()
+    for m, by_config in swept.items():
+        ranked = sorted((sum(times), cfg) for cfg, times in by_config.items() if len(times) == len(SHAPES))
+        in_use = ROW_CONFIG if m == 1 else DOT_CONFIG if m <= FEW_ROWS else MM_CONFIG
+        print(f"M={m}, us summed over the {len(SHAPES)} shapes: "
+              + ", ".join(f"{cfg} {us:.1f}" for us, cfg in ranked[:6])
+              + "".join(f"; in use {cfg} {us:.1f}" for us, cfg in ranked if cfg == in_use))
 
 
 if __name__ == "__main__":

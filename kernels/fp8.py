@@ -239,10 +239,13 @@ def _fp8_few_rows_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, coun
 # against quantization + fp8_mm's 13.2-43.8, at 24 and 32 rows 15.7-48.2 against
 # 13.3-43.8 (its 32-row tiles). The kernel takes up to 64.
 FEW_ROWS, _MAX_ROWS = 16, 64
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row (FMA) and for more
-# rows (tl.dot): the fastest on an H100 over Qwen3-8B's four projection shapes
-# (benchmarks/fp8_kernel.py --sweep), within 2% of each shape's own best.
-ROW_CONFIG, DOT_CONFIG = (4, 1024, 4, 1), (32, 256, 4, 3)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) for one row (FMA) and for more rows
+# (tl.dot), from benchmarks/fp8_kernel.py --sweep over Qwen3-8B's four projection
+# shapes. One row: the fastest summed over the four on an H200, 65.9 us a layer
+# against 83.9 for (4, 1024, 4, 1), the H100's choice among 512- and 1024-wide
+# slices (each program's 8 KB of weights a slice in flight at once; the Qwen3-8B
+# FP8 step at batch 1 went from 3.35 to 2.93 ms). More rows: the H100's fastest.
+ROW_CONFIG, DOT_CONFIG = (4, 2048, 4, 1), (32, 256, 4, 3)
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
 
 
@@ -330,14 +333,16 @@ MM_PREFETCH = 512
 
 
 def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-           bias: torch.Tensor | None, out_dtype: torch.dtype, counts: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None, out_dtype: torch.dtype, counts: torch.Tensor | None = None,
+           config: tuple | None = None) -> torch.Tensor:
     """x_q [M, K] E4M3 (rows contiguous) @ weight [N, K] E4M3^T, times x_scale [M, 1] and weight_scale [N, 1]
-    (float32), + bias -> [M, N] out_dtype; on a GPU, M <= MM_ROWS. counts: split-K counters, zero between calls."""
+    (float32), + bias -> [M, N] out_dtype; on a GPU, M <= MM_ROWS. counts: split-K counters, zero between calls;
+    config: as MM_CONFIG (benchmarks compare others)."""
     m, k = x_q.shape
     n = weight.shape[0]
     if not 0 < m <= MM_ROWS:
         raise ValueError(f"fp8_mm takes 1 to {MM_ROWS} rows, got {m}")
-    block_m, block_n, block_k, warps, stages = MM_CONFIG
+    block_m, block_n, block_k, warps, stages = config or MM_CONFIG
     x_q = x_q.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
