@@ -58,8 +58,10 @@ SWEEP = {
 }
 
 # One-row kernel (kernels/int4_gemv.py) candidates for --sweep: (block_n, block_k, num_warps, programs an SM).
+# (slices of 256 and 512 span groups of 128: each int32 row then loads its own group's scale and zero)
 GEMV_SWEEP = [(64, 128, 4, 4), (64, 128, 4, 12), (64, 128, 4, 16), (64, 64, 4, 8), (128, 128, 4, 8), (32, 128, 2, 8),
-              (64, 128, 2, 8), (128, 64, 4, 8)]
+              (64, 128, 2, 8), (128, 64, 4, 8), (64, 256, 4, 8), (64, 256, 4, 4), (64, 512, 4, 8), (32, 256, 4, 8),
+              (32, 512, 4, 8), (128, 256, 4, 8), (64, 256, 8, 8), (64, 32, 4, 8)]
 
 def int4_layers(n: int, k: int, group: int, count: int, gen: torch.Generator):
     """count independent (qweight, scales, zeros, counts) on the GPU, random over the whole 4-bit range;

@@ -58,19 +58,25 @@ def _rot16(word, ASM: tl.constexpr):
 
 @triton.jit
 def _load_slice(qw_ptrs, s_ptr, z_ptr, k0, k_end, r, offs_n, mask_n, N, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                EVEN_N: tl.constexpr):
+                EVEN_N: tl.constexpr, ROW_GROUPS: tl.constexpr):
     """The weights of the slice at k0, whose int32s are at qw_ptrs [BLOCK_K // 8, C]: (qw [BLOCK_K // 8, C]
-    int32, zero, scale [1, C] float32)."""
-    g = (k0 // GROUP if GROUP else 0) * N + offs_n
+    int32, zero, scale float32: [1, C] for a slice in one group, [BLOCK_K // 8, C] under ROW_GROUPS, where the
+    slice spans groups and each int32 row (8 of K, in one group) takes its own)."""
+    if ROW_GROUPS:
+        g = ((k0 + r * 8) // GROUP)[:, None] * N + offs_n[None, :]
+    else:
+        g = ((k0 // GROUP if GROUP else 0) * N + offs_n)[None, :]
     if EVEN_N and EVEN_K:  # no masks
         qw = tl.load(qw_ptrs)
-        zero = tl.load(z_ptr + g).to(tl.float32)[None, :]
-        scale = tl.load(s_ptr + g).to(tl.float32)[None, :]
+        zero = tl.load(z_ptr + g).to(tl.float32)
+        scale = tl.load(s_ptr + g).to(tl.float32)
     else:
         in_k = r < (k_end - k0) // 8 if not EVEN_K else r >= 0  # [BLOCK_K // 8] int32 rows inside the split
-        qw = tl.load(qw_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0)
-        zero = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        scale = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        mask = in_k[:, None] & mask_n[None, :]
+        qw = tl.load(qw_ptrs, mask=mask, other=0)
+        mask_g = mask if ROW_GROUPS else mask_n[None, :]
+        zero = tl.load(z_ptr + g, mask=mask_g, other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + g, mask=mask_g, other=0.0).to(tl.float32)
     return qw, zero, scale
 
 
@@ -135,7 +141,8 @@ def _add_slice(acc_a, acc_b, w_a, w_b, x_ptr, k0, k_end, r, EVEN_K: tl.constexpr
 def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, k_per_split,
                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
                       EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, ROW_GROUPS: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
+                      PDL: tl.constexpr):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     if GATED:  # gate columns (features) BLOCK_N // 2 from pid_n's, their up columns N // 2 further on
         offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -152,16 +159,16 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
     r = tl.arange(0, BLOCK_K // 8)
     p_a = qw_ptr + (k_start // 8 + r)[:, None].to(tl.int64) * N + offs_a[None, :]
     p_b = p_a + b_shift
-    w_a = _load_slice(p_a, s_ptr, z_ptr, k_start, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
-    w_b = _load_slice(p_b, s_ptr, z_ptr, k_start, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
+    w_a = _load_slice(p_a, s_ptr, z_ptr, k_start, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N, ROW_GROUPS)
+    w_b = _load_slice(p_b, s_ptr, z_ptr, k_start, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N, ROW_GROUPS)
     wait_for_previous(PDL)
     zeros = tl.zeros([BLOCK_K // 8, BLOCK_N // 2], dtype=tl.float32)
     acc_a, acc_b = _add_slice(zeros, zeros, w_a, w_b, x_ptr, k_start, k_end, r, EVEN_K, ASM)
     for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=STAGES):
         p_a += (BLOCK_K // 8) * N
         p_b += (BLOCK_K // 8) * N
-        w_a = _load_slice(p_a, s_ptr, z_ptr, k0, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N)
-        w_b = _load_slice(p_b, s_ptr, z_ptr, k0, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N)
+        w_a = _load_slice(p_a, s_ptr, z_ptr, k0, k_end, r, offs_a, mask_a, N, GROUP, EVEN_K, EVEN_N, ROW_GROUPS)
+        w_b = _load_slice(p_b, s_ptr, z_ptr, k0, k_end, r, offs_b, mask_b, N, GROUP, EVEN_K, EVEN_N, ROW_GROUPS)
         acc_a, acc_b = _add_slice(acc_a, acc_b, w_a, w_b, x_ptr, k0, k_end, r, EVEN_K, ASM)
     # the halves' sums side by side, [1, BLOCK_N] in the order a0, b0, a1, b1, ..., with their columns
     total = tl.reshape(tl.join(tl.sum(acc_a, axis=0), tl.sum(acc_b, axis=0)), [1, BLOCK_N])
@@ -195,15 +202,15 @@ WHOLE_K_TILES = 2
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None, counts: torch.Tensor | None = None, split_k: int = 0,
-              config: tuple[int, int, int, int] = CONFIG, gated: bool = False,
+              config: tuple[int, int, int, int] | None = None, gated: bool = False,
               stages: int | None = None) -> torch.Tensor:
     """int4_linear_ref for x [1, K] (float16 / bfloat16; int4_linear has checked the shapes) -> [1, N], or
     with gated, silu_and_mul of it -> [1, N // 2] in the same launch (a gate|up projection: gate the first
     half of the outputs, up the second).
     counts: split-K counters for cdiv(N, block_n) tiles; split_k: the K splits (0: none from WHOLE_K_TILES
-    tiles an SM, else by the config's programs an SM); config: as CONFIG (benchmarks compare others);
+    tiles an SM, else by the config's programs an SM); config: as CONFIG (None: CONFIG; benchmarks compare others);
     stages: the K loop's software-pipeline stages (None: 4 with K whole, 1 with K split)."""
-    block_n, block_k, num_warps, programs_per_sm = config
+    block_n, block_k, num_warps, programs_per_sm = config or CONFIG
     if stages is not None and stages < 1:
         raise ValueError(f"int4_gemv's K loop takes 1 or more stages, got {stages}")
     k, n = x.shape[1], qweight.shape[1]
@@ -212,8 +219,12 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if x.data_ptr() % 4:  # the kernel reads x in 32-bit pairs
         x = x.clone()
     out = torch.empty((1, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    row_groups = False
     if group_size == k:  # one group: any slice width, the last slice masked
         block_k = min(block_k, max(8, triton.next_power_of_2(k)))
+    elif block_k > group_size and group_size % 8 == 0:  # slices span groups; each int32 row lies in one
+        block_k = min(block_k, max(8, triton.next_power_of_2(k)))
+        row_groups = True
     else:  # a power of two dividing G, so every slice lies in one group
         block_k = min(block_k, group_size & -group_size)
     tiles = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
@@ -226,6 +237,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, counts, n, k, k_per_split,
         GROUP=0 if group_size == k else group_size, HAS_BIAS=bias is not None, SPLIT=splits > 1,
         MAX_SPLITS=splitk.max_splits(splits), EVEN_K=k % block_k == 0,
-        EVEN_N=n % block_n == 0, ASM=x.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GATED=gated,
+        EVEN_N=n % block_n == 0, ASM=x.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, ROW_GROUPS=row_groups,
+        STAGES=stages, GATED=gated,
         num_warps=num_warps, num_stages=stages, **pdl_args(x.device))
     return out

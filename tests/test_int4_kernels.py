@@ -158,8 +158,13 @@ def test_one_row_gemv(k, n, g, dtype, monkeypatch):
         for split_k in (0, 1, 3, 7, 20):  # 20: past the unrolled sum, the loop
             _assert_near(int4_gemv(x, qweight, scales, zeros, g, b, counts, split_k), want, x, w)
             assert not counts.any()
-        # another config, as benchmarks/int4_kernel.py --sweep runs them: narrower tiles and slices, 2 warps
+        # other configs, as benchmarks/int4_kernel.py --sweep runs them: narrower tiles and slices, 2 warps; and
+        # slices of 256 (spanning groups where G < 256: each int32 row takes its own group's scale and zero)
         _assert_near(int4_gemv(x, qweight, scales, zeros, g, b, config=(32, 64, 2, 4)), want, x, w)
+        for split_k in (0, 3):
+            _assert_near(int4_gemv(x, qweight, scales, zeros, g, b, counts, split_k, config=(64, 256, 4, 8)),
+                         want, x, w)
+            assert not counts.any()
         got = int4_linear(x[None], qweight, scales, zeros, g, b, counts)  # [1, 1, K]: the kernel int4_linear picks
         _assert_near(got[0], want, x, w)
 

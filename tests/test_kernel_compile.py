@@ -172,6 +172,8 @@ def test_projection_kernels_compile_for_hopper(launches):
     # deeper K loops, as benchmarks/int4_kernel.py --stages times them
     int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, 1, gated=True, stages=8)
     int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, 3, stages=3)
+    # slices spanning two groups, as benchmarks/int4_kernel.py --sweep runs them
+    int4_gemv(torch.zeros(1, 256, **bf16), qweight, scales, zeros, 128, None, counts, 1, config=(64, 256, 4, 8))
     int4_linear(torch.zeros(4, 256, **bf16), qweight, scales, zeros, 128, None, counts)  # tl.dot, K split
 
     names = {k["name"] for k in launches}
