@@ -29,9 +29,10 @@
 #   pattention  benchmarks/prefill_attention.py --sweep (the prefill attention kernel by tile, beside torch's flash)
 #   sampling    benchmarks/sampling_kernel.py (the Gumbel sampling kernel against the logits' bytes and torch's sampler)
 #   dense       benchmarks/dense_kernel.py (few-row projections with their norm and activation, against cuBLAS)
-#   onerow      the one-row kernels' launch on this GPU: benchmarks/int4_kernel.py at one row with the K loop
-#               pipelined 1 to 8 stages (Qwen3-8B's four projections, gate|up also gated), then
-#               benchmarks/fp8_kernel.py's one-row sweep
+#   sweeps      the few-row projection kernels' launch configs swept on this GPU: benchmarks/int4_kernel.py at
+#               one row (Qwen3-8B's four projections), benchmarks/fp8_kernel.py at 1 to 64 rows (each row
+#               count's configs ranked by their sum over the four) and benchmarks/dense_kernel.py on the
+#               Qwen3-0.6B shape at 1 and 8 rows
 #   int4mma     benchmarks/int4_mma.py (4-bit projections of 1-8 rows on mma.sync, against int4_gemv and tl.dot)
 #   startup     benchmarks/startup.py $STARTUP_ARGS (LLM, AsyncEngine.from_model and headrace serve: spawn to
 #               ready, with the core's phases; needs the http wheels for serve)
@@ -98,9 +99,10 @@ for stage in "$@"; do
     pattention) python3 benchmarks/prefill_attention.py --sweep 2>&1 | grep -v -i warn | tee "$out/prefill_attention.log" ;;
     sampling) python3 benchmarks/sampling_kernel.py 2>&1 | grep -v -i warn | tee "$out/sampling_kernel.log" ;;
     dense) python3 benchmarks/dense_kernel.py ${DENSE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/dense_kernel.log" ;;
-    onerow) { python3 benchmarks/int4_kernel.py --ms 1 --stages 1,2,3,4,6,8
-              python3 benchmarks/fp8_kernel.py --ms 1 --sweep
-            } 2>&1 | grep -v -i warn | tee "$out/one_row.log" ;;
+    sweeps) { python3 benchmarks/int4_kernel.py --ms 1 --sweep
+              python3 benchmarks/fp8_kernel.py --sweep
+              python3 benchmarks/dense_kernel.py --model 0.6b --ms 1,8 --sweep
+            } 2>&1 | grep -v -i warn | tee "$out/sweeps.log" ;;
     int4mma) python3 benchmarks/int4_mma.py 2>&1 | grep -v -i warn | tee "$out/int4_mma.log" ;;
     single) python3 benchmarks/single_stream.py ${SINGLE_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/single_stream.log" ;;
     startup) python3 benchmarks/startup.py ${STARTUP_ARGS:-} 2>&1 | grep -v -i warn | tee "$out/startup.log" ;;
