@@ -195,7 +195,10 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, 
 # loads are not staged through shared memory when K is split (the programs in flight cover the
 # latency). With at least WHOLE_K_TILES tiles an SM (gate|up, 384 tiles on 132 SMs) K is not split:
 # each program's loop runs long enough for four stages to pay, and no partials make a round trip
-# (24576x4096: 23.6 us against 28-32 split 3 ways, the split that fills 8 programs an SM).
+# (24576x4096: 23.6 us against 28-32 split 3 ways, the split that fills 8 programs an SM). On an H200 the
+# four projections took 51.3 us at group 128 against 56.0 for the next best config, and slices of 256 or 512
+# (spanning groups) were slower; at group 32 the 128-wide slices spanning four groups took down and o 13.2 and
+# 7.0 us against 26.4 and 11.2 with slices of one group (benchmarks/RESULTS.md, 2026-11-28).
 CONFIG = (64, 128, 4, 8)  # (BLOCK_N, BLOCK_K, num_warps, programs an SM)
 WHOLE_K_TILES = 2
 
