@@ -225,7 +225,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     row_groups = False
     if group_size == k:  # one group: any slice width, the last slice masked
         block_k = min(block_k, max(8, triton.next_power_of_2(k)))
-    elif block_k > group_size and group_size % 8 == 0:  # slices span groups; each int32 row lies in one
+    elif block_k > group_size:  # slices span groups; each int32 row lies in one (G: a multiple of 16)
         block_k = min(block_k, max(8, triton.next_power_of_2(k)))
         row_groups = True
     else:  # a power of two dividing G, so every slice lies in one group

@@ -124,10 +124,11 @@ def test_every_config_and_split(m, monkeypatch):
             assert not counts.any()
 
 
-# (K, N, G): K = G of a width that is no power of two (its last slice masked); G = 16 (16-wide slices);
-# N leaving a partial tile, and N in whole tiles (no masks); on the GPU, the Qwen3-8B o_proj width.
+# (K, N, G): K = G of a width that is no power of two (its last slice masked); G = 16 (slices spanning 8
+# groups); G = 48 (no power of two: slices start inside groups); N leaving a partial tile, and N in whole
+# tiles (no masks); on the GPU, the Qwen3-8B o_proj width.
 GEMV_SHAPES = [(256, 40, 128), (40, 96, 40), (200, 72, 200), (128, 40, 16), (512, 130, 64), (288, 40, 16),
-               (256, 128, 64)]
+               (256, 128, 64), (240, 72, 48)]
 if DEVICE == "cuda":
     GEMV_SHAPES += [(4096, 1000, 128), (1024, 4096, 1024)]
 
