@@ -12,7 +12,8 @@ copies that none stays in L2, of
   Triton SiLU-and-multiply;
 - cuBLAS alone.
 The floor is the weight bytes at the copy bandwidth measured in this run.
---sweep times the kernel's candidate configs at 1 and 8 rows.
+--sweep times the kernel's candidate configs at 1 and 8 rows, each on the path
+(FMAs or tl.dot) that dense_linear takes there.
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+import triton
 from benchmarks_common import graph_call_us, measure_ceilings
 
 from headrace.kernels.activation import silu_and_mul
-from headrace.kernels.dense import DOT_CONFIG, FEW_ROWS, dense_linear, row_config, split_k_tiles
+from headrace.kernels.dense import (DOT_CONFIG, FEW_ROWS, FMA_ELEMENTS, dense_linear, fma_path, row_config,
+                                    split_k_tiles)
 from headrace.kernels.norm import rms_norm
 
 L2_BYTES = 50 * 2**20
@@ -35,6 +38,16 @@ SHAPES = {
     "8b": [("qkv", 6144, 4096, True, False), ("o", 4096, 4096, False, False),
            ("gate_up", 24576, 4096, True, True), ("down", 4096, 12288, False, False)],
 }
+
+
+def sweep_configs(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
+    """--sweep's (ROWS, BLOCK_K, warps, stages) candidates at m rows on an n x k weight, for the path dense_linear
+    takes there: without tl.dot (one row, or a few on a narrow weight: fma_path) weight rows a program and slices
+    up to the whole K, keeping a few rows' per-lane sums within FMA_ELEMENTS; with tl.dot, its tiles."""
+    if not fma_path(m, n, k):
+        return list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 3)))
+    widths = [w for w in (512, 1024, 2048, 4096) if m == 1 or triton.next_power_of_2(m) * w <= FMA_ELEMENTS]
+    return list(itertools.product((1, 2, 4, 8, 16) if m == 1 else (1, 2, 4), widths, (4, 8), (1, 3)))
 
 
 def main() -> None:
@@ -79,8 +92,7 @@ def main() -> None:
                   f"{steps:11.1f} {cublas:10.1f}" + (f"  {row_config(n, k)}" if m == 1 else ""))
             if args.sweep and m in (1, 8):
                 results = []
-                for cfg in itertools.product((2, 4, 8, 16) if m == 1 else (16, 32, 64),
-                                             (512, 1024, 2048, 4096) if m == 1 else (64, 128, 256), (4, 8), (1, 3)):
+                for cfg in sweep_configs(m, n, k):
                     try:
                         us = graph_call_us([fused(*w, cfg) for w in weights])
                     except Exception as e:  # a config that does not compile or fit

@@ -196,7 +196,7 @@ FMA_ROWS = 8  # the most rows fma_path sends past tl.dot
 # 3.2-3.3 and down at one and two rows 3.2 and 3.6-3.7 against 3.9-4.1 and 4.9-5.1; o at 8 rows and down at 4
 # were slower so (5.4-5.8 against 4.6-5.1, 5.6 against 5.0-5.1), and wide weights were slower at one row.
 EARLY_ROWS = 2
-_FMA_ELEMENTS = 16384  # the most padded rows x BLOCK_K it sends there (per-lane sums: 32 registers a thread)
+FMA_ELEMENTS = 16384  # the most padded rows x BLOCK_K it sends there (per-lane sums: 32 registers a thread)
 DOT_CONFIG = (32, 256, 4, 3)
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
 _NORM_ELEMENTS = 4096  # per program and pass of the norm's first pass (registers: 32 a thread at 4 warps)
@@ -220,7 +220,7 @@ def fma_path(m: int, n_rows: int, k: int) -> bool:
     """Whether m rows on a weight of n_rows x k run without tl.dot: always at one row; up to FMA_ROWS rows on a
     narrow weight (2 rows a program, row_config) while the rows' per-lane sums stay small."""
     block_rows, block_k = row_config(n_rows, k)[:2]
-    return m == 1 or (m <= FMA_ROWS and block_rows == 2 and triton.next_power_of_2(m) * block_k <= _FMA_ELEMENTS)
+    return m == 1 or (m <= FMA_ROWS and block_rows == 2 and triton.next_power_of_2(m) * block_k <= FMA_ELEMENTS)
 
 
 def max_rows(n_rows: int, plain: bool) -> int:
