@@ -222,13 +222,12 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if x.data_ptr() % 4:  # the kernel reads x in 32-bit pairs
         x = x.clone()
     out = torch.empty((1, n // 2 if gated else n), dtype=x.dtype, device=x.device)
-    row_groups = False
-    if group_size == k:  # one group: any slice width, the last slice masked
+    # slices wider than G span groups (each int32 row lies in one: G is a multiple of 16); with one group any
+    # width does; either way the last slice may be masked. Else a power of two dividing G: one group a slice.
+    row_groups = group_size != k and block_k > group_size
+    if group_size == k or row_groups:
         block_k = min(block_k, max(8, triton.next_power_of_2(k)))
-    elif block_k > group_size:  # slices span groups; each int32 row lies in one (G: a multiple of 16)
-        block_k = min(block_k, max(8, triton.next_power_of_2(k)))
-        row_groups = True
-    else:  # a power of two dividing G, so every slice lies in one group
+    else:
         block_k = min(block_k, group_size & -group_size)
     tiles = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
     k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (1, n), out, counts, programs_per_sm, split_k,
