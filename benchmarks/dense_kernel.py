@@ -89,7 +89,7 @@ def main() -> None:
             steps = graph_call_us([unfused(*w) for w in weights])
             cublas = graph_call_us([(lambda w=w: F.linear(x, w)) for w, _ in weights])
             print(f"{name + ' ' + str(n) + 'x' + str(k):>16} {m:>3} {ours:9.1f} {floor:9.1f} {ours / floor:8.2f} "
-                  f"{steps:11.1f} {cublas:10.1f}" + (f"  {row_config(n, k)}" if m == 1 else ""))
+                  f"{steps:11.1f} {cublas:10.1f}" + (f"  {row_config(n, k, gated)}" if m == 1 else ""))
             if args.sweep and m in (1, 8):
                 results = []
                 for cfg in sweep_configs(m, n, k):

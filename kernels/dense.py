@@ -181,7 +181,7 @@ def _dense_kernel(x_ptr, res_ptr, new_res_ptr, nw_ptr, eps, w_ptr, bias_ptr, out
 # o and down through it and q|k|v and gate|up through cuBLAS took 28.2 us a layer against
 # 28.9-31.6 all through cuBLAS, and the batch-8 decode step 3.5-4.4% less time. On
 # Qwen3-8B's o and down (4096 rows) it was 0.5-1 us slower than cuBLAS.
-# (ROWS, BLOCK_K, num_warps, num_stages) for more rows (tl.dot); row_config for one.
+# (ROWS, BLOCK_K, num_warps, num_stages) for more rows (tl.dot); row_config without it.
 # Without tl.dot (fma_path), every weight slice is loaded once and multiplied into one row's
 # per-lane sums after another. On an H100 (Qwen3-0.6B shapes) that beat the tl.dot path and
 # cuBLAS on a narrow weight: o at 2, 4 and 8 rows 3.2, 3.6 and 4.9 us against 5.9-6.2, down
@@ -201,26 +201,34 @@ DOT_CONFIG = (32, 256, 4, 3)
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
 _NORM_ELEMENTS = 4096  # per program and pass of the norm's first pass (registers: 32 a thread at 4 warps)
 _ROW_K = 4096  # the most of K one program holds at one row
+_ROW_ELEMENTS = 16384  # a one-row program's weight rows x K on a narrow weight (128 a thread at 4 warps)
 
 
-def row_config(n_rows: int, k: int) -> tuple[int, int, int, int]:
-    """(ROWS, BLOCK_K, num_warps, num_stages) at one row, for a weight of n_rows x k. A narrow weight (o and down
-    of Qwen3-0.6B) gets 2 rows a program and up to 4096 of K in one slice: each program issues all its weight
-    loads at once, and there are enough programs to need no K split (which adds a partial's store, a count and
-    the sum's loads). On an H100 that took o and down from 6.5 and 7.2 us to 3.3 and 4.0. A wide one with a
-    short K takes it in one slice too; wider and longer weights (Qwen3-8B's q|k|v and gate|up) were slower so
-    (27.8 and 92.0 us against 24.7 and 79.0 for norm + cuBLAS + SiLU) and keep 512-wide slices."""
+def row_config(n_rows: int, k: int, gated: bool = False, m: int = 1) -> tuple[int, int, int, int]:
+    """(ROWS, BLOCK_K, num_warps, num_stages) without tl.dot (fma_path), for m rows on a weight of n_rows x k.
+    A narrow weight (at most PLAIN_N rows: o and down of Qwen3-0.6B) takes up to 4096 of K in one slice, so that
+    each program issues all its weight loads at once and there are enough programs to need no K split (which adds
+    a partial's store, a count and the sum's loads); at one row a program takes as many weight rows as
+    _ROW_ELEMENTS holds, at more 2 (their per-lane sums must fit too). A wide one with a short K takes it in one
+    slice too, 8 rows a program (16 gated); wider and longer weights (Qwen3-8B's q|k|v and gate|up) were slower
+    so (27.8 and 92.0 us against 24.7 and 79.0 for norm + cuBLAS + SiLU on an H100) and keep 512-wide slices.
+    On an H100, 2 rows a program and K whole took Qwen3-0.6B's o and down from 6.5 and 7.2 us to 3.3 and 4.0 at
+    one row; on an H200 (benchmarks/RESULTS.md) o at 8 rows a program took 2.0 us against 2.3, down at 4 2.6
+    against 2.7 and gate|up at 16 6.1-6.3 against 6.5, and the one-row decode step 0.752-0.757 ms against
+    0.792-0.793."""
     whole_k = min(_ROW_K, max(16, triton.next_power_of_2(k)))
-    if n_rows <= 2048:
-        return 2, whole_k, 4, 1
-    return (8, whole_k, 8, 1) if k <= 1024 else (8, 512, 4, 1)
+    if n_rows <= PLAIN_N:
+        return (2 if m > 1 else max(2, min(8, _ROW_ELEMENTS // whole_k))), whole_k, 4, 1
+    if k <= 1024:
+        return (16 if gated else 8), whole_k, 8, 1
+    return 8, 512, 4, 1
 
 
 def fma_path(m: int, n_rows: int, k: int) -> bool:
     """Whether m rows on a weight of n_rows x k run without tl.dot: always at one row; up to FMA_ROWS rows on a
-    narrow weight (2 rows a program, row_config) while the rows' per-lane sums stay small."""
-    block_rows, block_k = row_config(n_rows, k)[:2]
-    return m == 1 or (m <= FMA_ROWS and block_rows == 2 and triton.next_power_of_2(m) * block_k <= FMA_ELEMENTS)
+    narrow weight (at most PLAIN_N rows) while the rows' per-lane sums stay small."""
+    return m == 1 or (m <= FMA_ROWS and n_rows <= PLAIN_N
+                      and triton.next_power_of_2(m) * row_config(n_rows, k, m=m)[1] <= FMA_ELEMENTS)
 
 
 def max_rows(n_rows: int, plain: bool) -> int:
@@ -231,7 +239,7 @@ def max_rows(n_rows: int, plain: bool) -> int:
 
 def split_k_tiles(n: int) -> int:
     """Output tiles of the kernel on n weight rows, at most (its split-K counters)."""
-    return triton.cdiv(n, min(row_config(n, 1)[0], DOT_CONFIG[0]))
+    return triton.cdiv(n, min(row_config(n, 1, m=2)[0], DOT_CONFIG[0]))  # m > 1: the fewest rows a program
 
 
 def dense_linear(
@@ -253,7 +261,7 @@ def dense_linear(
     assert not gated or rows % 2 == 0
     n = rows // 2 if gated else rows
     fma = fma_path(m, rows, k)
-    block_rows, block_k, warps, stages = config or (row_config(rows, k) if fma else DOT_CONFIG)
+    block_rows, block_k, warps, stages = config or (row_config(rows, k, gated, m) if fma else DOT_CONFIG)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     block_m = triton.next_power_of_2(m) if fma else max(16, triton.next_power_of_2(m))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -82,6 +82,13 @@ def test_dense_linear_several_slices_a_program(m, poisoned_empty):
     _run(m, 2176, 256, torch.float16, True, True, False, bias=False, config=SPLIT if m == 1 else DOT_SPLIT)
 
 
+@pytest.mark.parametrize("n_rows,k,gated", [(96, 200, True), (2200, 256, False), (2200, 256, True)])
+def test_dense_linear_one_row_configs_in_use(n_rows, k, gated, poisoned_empty):
+    """One row at the configs dense_linear picks itself (dense.row_config): a narrow weight 8 rows a program, a
+    wide one with a short K 8 rows a program and 16 gated, rows not a multiple of the tile, norm and residual in."""
+    _run(1, n_rows, k, torch.float16, True, True, gated, bias=not gated, config=None)
+
+
 def test_dense_linear_many_rows_refused():
     x = torch.zeros(33, 64, device=DEVICE)
     with pytest.raises(ValueError, match="1 to 32 rows"):
