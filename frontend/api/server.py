@@ -107,6 +107,7 @@ async def _run_api_server(args: argparse.Namespace) -> None:
 
     from headrace.frontend.api.app import OpenAIServer
     from headrace.frontend.async_engine import AsyncEngine
+    from headrace.lifetime import freeze_heap
     from headrace.metrics.exporter import MetricsServer
 
     registry = CollectorRegistry()
@@ -121,6 +122,7 @@ async def _run_api_server(args: argparse.Namespace) -> None:
     app = OpenAIServer(engine, args.served_model_name, metrics=_Metrics(registry, run_dir, own, engine.info.model),
                        api_key=envs.api_key())
     sock = listening_socket(args.host, args.port, listen=True)
+    freeze_heap()  # this process serves until it exits: full collections skip the modules and the tokenizer
     config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive)
     server = uvicorn.Server(config)
