@@ -76,6 +76,9 @@ then prefilling), read from AsyncEngine's stats or the server's /metrics
 before and after the run. What the client's mean has beyond the frontends'
 is the way in before arrival and the way out after the core (for HTTP: the
 request's sending and parsing, the output's detokenizing, SSE and parsing).
+They also give the frontends' own TTFT p99 as the bound of its histogram
+bucket (metrics.names' latency buckets: 20, 30, 40, 50, 75 ms ...): a client
+p99 far above it was slow on the way in or out, not in the frontend or core.
 
 burst, burst-logprobs and poisson share one spawned engine (a new one after
 an EngineDeadError), run before scaleout starts its core, and the server of
@@ -100,6 +103,7 @@ import contextlib
 import importlib.util
 import itertools
 import json
+import math
 import random
 import re
 import signal
@@ -266,9 +270,11 @@ SPANS = {"ttft": TIME_TO_FIRST_TOKEN, "queue": QUEUE_TIME, "prefill": PREFILL_TI
 
 
 def stats_totals(stats) -> dict:
-    """{span: (seconds summed, requests)} of one frontend's FrontendStats."""
+    """{span: (seconds summed, requests)} of one frontend's FrontendStats, and "ttft_le": its TTFT histogram's
+    cumulative counts, one per bucket bound (TIME_TO_FIRST_TOKEN.buckets, then +Inf)."""
     snap = stats.snapshot()
-    return {k: (getattr(snap, k).sum, getattr(snap, k).count) for k in SPANS}
+    return {**{k: (getattr(snap, k).sum, getattr(snap, k).count) for k in SPANS},
+            "ttft_le": tuple(n for _, n in snap.ttft.cumulative())}
 
 
 def page_totals(metrics_url: str) -> dict:
@@ -280,6 +286,8 @@ def page_totals(metrics_url: str) -> dict:
         text = page.read().decode()
     span_of = {m.name: k for k, m in SPANS.items()}
     totals = {k: [0.0, 0] for k in SPANS}
+    bounds = TIME_TO_FIRST_TOKEN.buckets + (float("inf"),)
+    le = [0] * len(bounds)
     for family in text_string_to_metric_families(text):
         k = span_of.get(family.name)
         if k is None:
@@ -289,13 +297,27 @@ def page_totals(metrics_url: str) -> dict:
                 totals[k][0] += sample.value
             elif sample.name.endswith("_count"):
                 totals[k][1] += int(sample.value)
-    return {k: tuple(v) for k, v in totals.items()}
+            elif sample.name.endswith("_bucket") and k == "ttft":
+                le[bounds.index(float(sample.labels["le"]))] += int(sample.value)
+    return {**{k: tuple(v) for k, v in totals.items()}, "ttft_le": tuple(le)}
 
 
 def span_means(before: dict, after: dict) -> dict:
     """{span: mean ms} of the requests counted between two totals (None where none were)."""
     return {k: (1e3 * (after[k][0] - before[k][0]) / (after[k][1] - before[k][1])
                 if after[k][1] > before[k][1] else None) for k in SPANS}
+
+
+def frontend_spans(before: dict, after: dict) -> dict:
+    """span_means, and "ttft_p99": the frontends' own TTFT p99 of the same requests, as the upper bound (ms) of
+    the histogram bucket holding the ceil(0.99 n)-th fastest of n (None where none were, inf past the last
+    bound). Set against the client's p99, it says whether a slow request was slow inside the frontend and core
+    or on the way in and out (for HTTP: sending, parsing, detokenizing, SSE)."""
+    counts = [a - b for a, b in zip(after["ttft_le"], before["ttft_le"])]
+    rank = math.ceil(0.99 * counts[-1]) if counts and counts[-1] else None
+    bounds = TIME_TO_FIRST_TOKEN.buckets + (float("inf"),)
+    p99 = None if rank is None else next(1e3 * b for b, n in zip(bounds, counts) if n >= rank)
+    return {**span_means(before, after), "ttft_p99": p99}
 
 
 def mean_ms(seconds: list[float]) -> float | None:
@@ -326,7 +348,7 @@ async def poisson(engine, prompts, max_tokens, rate: float, load_ms: float) -> d
     tokens, dead = (sum(c) for c in zip(*counts))
     return {"path": "AsyncEngine", "rate": rate, "requests": len(prompts) - dead, "tokens": tokens,
             "seconds": seconds, "dead_streams": dead, "ttft_ms": percentiles(lat.ttft), "itl_ms": percentiles(lat.itl),
-            "ttft_mean_ms": mean_ms(lat.ttft), "frontend_ms": span_means(before, stats_totals(engine.frontend_stats))}
+            "ttft_mean_ms": mean_ms(lat.ttft), "frontend_ms": frontend_spans(before, stats_totals(engine.frontend_stats))}
 
 
 class SpawnedEngine:
@@ -548,7 +570,7 @@ def http(args, prompts, max_tokens) -> dict:
                                                 "requests": len(prompts) - r["failed_requests"], **r,
                                                 "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
                                                 "ttft_mean_ms": mean_ms(ttft),
-                                                "frontend_ms": span_means(totals["before"], page_totals(metrics_url))})
+                                                "frontend_ms": frontend_spans(totals["before"], page_totals(metrics_url))})
                 number_runs(results["http-poisson"])
                 log(name, results["http-poisson"][-1])
     return results
@@ -702,15 +724,15 @@ def print_tables(paths: list[dict], poisson_results: list[dict]) -> None:
             print(f"| {r['path']} | {fmt(r['tok_s'], '.0f')} | {fmt(r['ratio'], '.3f')} | {r['notes']} |")
     if poisson_results:
         print("\n| path | rate req/s | requests | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
-              "| TTFT mean ms: client / frontend (queued + prefill) | notes |\n"
-              "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+              "| TTFT mean ms: client / frontend (queued + prefill) | frontend TTFT p99 ms, at most | notes |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |")
         for r in sorted(poisson_results, key=lambda r: r["rate"]):
             ttft, itl = (" / ".join(f"{v:.1f}" for v in p) if p else "-" for p in (r["ttft_ms"], r["itl_ms"]))
             f = r["frontend_ms"]
             means = (f"{fmt(r['ttft_mean_ms'], '.1f')} / {fmt(f['ttft'], '.1f')} "
                      f"({fmt(f['queue'], '.1f')} + {fmt(f['prefill'], '.1f')})")
             print(f"| {r['label']} | {r['rate']:g} | {r['requests']} | {r['tok_s']:.0f} | {ttft} | {itl} | {means} "
-                  f"| {r['notes']} |")
+                  f"| {fmt(f.get('ttft_p99'), 'g')} | {r['notes']} |")
 
 
 # ---- main ----
