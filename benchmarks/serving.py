@@ -348,7 +348,8 @@ async def poisson(engine, prompts, max_tokens, rate: float, load_ms: float) -> d
     tokens, dead = (sum(c) for c in zip(*counts))
     return {"path": "AsyncEngine", "rate": rate, "requests": len(prompts) - dead, "tokens": tokens,
             "seconds": seconds, "dead_streams": dead, "ttft_ms": percentiles(lat.ttft), "itl_ms": percentiles(lat.itl),
-            "ttft_mean_ms": mean_ms(lat.ttft), "frontend_ms": frontend_spans(before, stats_totals(engine.frontend_stats))}
+            "ttft_mean_ms": mean_ms(lat.ttft),
+            "frontend_ms": frontend_spans(before, stats_totals(engine.frontend_stats))}
 
 
 class SpawnedEngine:
@@ -570,7 +571,8 @@ def http(args, prompts, max_tokens) -> dict:
                                                 "requests": len(prompts) - r["failed_requests"], **r,
                                                 "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
                                                 "ttft_mean_ms": mean_ms(ttft),
-                                                "frontend_ms": frontend_spans(totals["before"], page_totals(metrics_url))})
+                                                "frontend_ms": frontend_spans(totals["before"],
+                                                                              page_totals(metrics_url))})
                 number_runs(results["http-poisson"])
                 log(name, results["http-poisson"][-1])
     return results
