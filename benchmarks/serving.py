@@ -267,11 +267,12 @@ class Latencies:
 # FrontendStats' histograms of a request's way to its first token: from arrival at the frontend to the core
 # sampling it; of that, queued before its first step; then prefilling.
 SPANS = {"ttft": TIME_TO_FIRST_TOKEN, "queue": QUEUE_TIME, "prefill": PREFILL_TIME}
+TTFT_BOUNDS = TIME_TO_FIRST_TOKEN.buckets + (float("inf"),)  # the TTFT histogram's buckets' upper bounds (s)
 
 
 def stats_totals(stats) -> dict:
     """{span: (seconds summed, requests)} of one frontend's FrontendStats, and "ttft_le": its TTFT histogram's
-    cumulative counts, one per bucket bound (TIME_TO_FIRST_TOKEN.buckets, then +Inf)."""
+    cumulative counts, one per bound of TTFT_BOUNDS."""
     snap = stats.snapshot()
     return {**{k: (getattr(snap, k).sum, getattr(snap, k).count) for k in SPANS},
             "ttft_le": tuple(n for _, n in snap.ttft.cumulative())}
@@ -286,8 +287,7 @@ def page_totals(metrics_url: str) -> dict:
         text = page.read().decode()
     span_of = {m.name: k for k, m in SPANS.items()}
     totals = {k: [0.0, 0] for k in SPANS}
-    bounds = TIME_TO_FIRST_TOKEN.buckets + (float("inf"),)
-    le = [0] * len(bounds)
+    le = [0] * len(TTFT_BOUNDS)
     for family in text_string_to_metric_families(text):
         k = span_of.get(family.name)
         if k is None:
@@ -298,7 +298,7 @@ def page_totals(metrics_url: str) -> dict:
             elif sample.name.endswith("_count"):
                 totals[k][1] += int(sample.value)
             elif sample.name.endswith("_bucket") and k == "ttft":
-                le[bounds.index(float(sample.labels["le"]))] += int(sample.value)
+                le[TTFT_BOUNDS.index(float(sample.labels["le"]))] += int(sample.value)
     return {**{k: tuple(v) for k, v in totals.items()}, "ttft_le": tuple(le)}
 
 
@@ -315,8 +315,7 @@ def frontend_spans(before: dict, after: dict) -> dict:
     or on the way in and out (for HTTP: sending, parsing, detokenizing, SSE)."""
     counts = [a - b for a, b in zip(after["ttft_le"], before["ttft_le"])]
     rank = math.ceil(0.99 * counts[-1]) if counts and counts[-1] else None
-    bounds = TIME_TO_FIRST_TOKEN.buckets + (float("inf"),)
-    p99 = None if rank is None else next(1e3 * b for b, n in zip(bounds, counts) if n >= rank)
+    p99 = None if rank is None else next(1e3 * b for b, n in zip(TTFT_BOUNDS, counts) if n >= rank)
     return {**span_means(before, after), "ttft_p99": p99}
 
 
