@@ -40,14 +40,16 @@ SHAPES = {
 }
 
 
-def sweep_configs(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
+def sweep_configs(m: int, n: int, k: int, gated: bool) -> list[tuple[int, int, int, int]]:
     """--sweep's (ROWS, BLOCK_K, warps, stages) candidates at m rows on an n x k weight, for the path dense_linear
-    takes there: without tl.dot (one row, or a few on a narrow weight: fma_path) weight rows a program and slices
-    up to the whole K, keeping a few rows' per-lane sums within FMA_ELEMENTS; with tl.dot, its tiles."""
+    takes there: without tl.dot (one row, or a few on a narrow weight: fma_path) weight rows a program (an even
+    count gated: gate and up rows in pairs) and slices up to the whole K, keeping a few rows' per-lane sums
+    within FMA_ELEMENTS; with tl.dot, its tiles."""
     if not fma_path(m, n, k):
         return list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (1, 3)))
     widths = [w for w in (512, 1024, 2048, 4096) if m == 1 or triton.next_power_of_2(m) * w <= FMA_ELEMENTS]
-    return list(itertools.product((1, 2, 4, 8, 16) if m == 1 else (1, 2, 4), widths, (4, 8), (1, 3)))
+    rows = [r for r in ((1, 2, 4, 8, 16) if m == 1 else (1, 2, 4)) if not (gated and r == 1)]
+    return list(itertools.product(rows, widths, (4, 8), (1, 3)))
 
 
 def main() -> None:
@@ -92,7 +94,7 @@ def main() -> None:
                   f"{steps:11.1f} {cublas:10.1f}" + (f"  {row_config(n, k, gated)}" if m == 1 else ""))
             if args.sweep and m in (1, 8):
                 results = []
-                for cfg in sweep_configs(m, n, k):
+                for cfg in sweep_configs(m, n, k, gated):
                     try:
                         us = graph_call_us([fused(*w, cfg) for w in weights])
                     except Exception as e:  # a config that does not compile or fit
