@@ -79,6 +79,10 @@ request's sending and parsing, the output's detokenizing, SSE and parsing).
 They also give the frontends' own TTFT p99 as the bound of its histogram
 bucket (metrics.names' latency buckets: 20, 30, 40, 50, 75 ms ...): a client
 p99 far above it was slow on the way in or out, not in the frontend or core.
+And how busy the busiest client process was: its CPU seconds (all threads)
+over the run's wall seconds; for poisson that is this process, frontend
+included, for http-poisson the busiest of the client processes. A client
+process near 1 queues its own requests' chunks, and its TTFT tail is its own.
 
 burst, burst-logprobs and poisson share one spawned engine (a new one after
 an EngineDeadError), run before scaleout starts its core, and the server of
@@ -341,13 +345,13 @@ async def poisson(engine, prompts, max_tokens, rate: float, load_ms: float) -> d
 
     async with loop_load(load_ms):
         before = stats_totals(engine.frontend_stats)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         counts = await asyncio.gather(*map(request, prompts, max_tokens, arrivals))
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens, dead = (sum(c) for c in zip(*counts))
     return {"path": "AsyncEngine", "rate": rate, "requests": len(prompts) - dead, "tokens": tokens,
             "seconds": seconds, "dead_streams": dead, "ttft_ms": percentiles(lat.ttft), "itl_ms": percentiles(lat.itl),
-            "ttft_mean_ms": mean_ms(lat.ttft),
+            "ttft_mean_ms": mean_ms(lat.ttft), "client_busy": cpu / seconds,
             "frontend_ms": frontend_spans(before, stats_totals(engine.frontend_stats))}
 
 
@@ -531,7 +535,9 @@ async def http_client_process(url: str, job: dict) -> dict:
         await http_requests(stream, job["prompts"], [2] * len(job["prompts"]))
         print("ready", flush=True)
         await asyncio.to_thread(sys.stdin.readline)
-        return await http_requests(stream, job["prompts"], job["max_tokens"], job.get("arrivals"))
+        cpu = time.process_time()
+        result = await http_requests(stream, job["prompts"], job["max_tokens"], job.get("arrivals"))
+        return {**result, "busy": (time.process_time() - cpu) / result["seconds"]}
 
 
 def http(args, prompts, max_tokens) -> dict:
@@ -550,7 +556,8 @@ def http(args, prompts, max_tokens) -> dict:
                     "failed_requests": sum(a["failed_requests"] for a in answers),
                     "errors": [e for a in answers for e in a["errors"]][:5],
                     "ttft": [t for a in answers for t in a.get("ttft", ())],
-                    "itl": [t for a in answers for t in a.get("itl", ())]}
+                    "itl": [t for a in answers for t in a.get("itl", ())],
+                    "client_busy": max(a["busy"] for a in answers)}
 
         if "http" in args.parts:
             results["http"] = clients()
@@ -629,6 +636,7 @@ def path_rows(results: dict, expected: int, args) -> list[dict]:
         r = results["http"]
         value, of_burst = tok_s(r), tok_s(r) / burst if burst else None
         notes = [f"{of_burst:.3f} of burst (>= 0.9: {'yes' if of_burst >= 0.9 else 'no'})"] if of_burst else []
+        notes.append(f"busiest client process {r['client_busy']:.2f} CPU s / s")
         if r["failed_requests"]:
             notes.append(f"{r['failed_requests']} failed requests, first: {r['errors'][0]}")
         row(f"headrace serve, {args.client} client (--api-servers {args.api_servers}, "
@@ -677,6 +685,7 @@ def median_row(runs: list[dict]) -> dict:
             "requests": min(r["requests"] for r in runs), "tok_s": _median([tok_s(r) for r in runs]),
             "ttft_ms": each("ttft_ms", 3), "itl_ms": each("itl_ms", 3),
             "ttft_mean_ms": _median([r["ttft_mean_ms"] for r in runs]),
+            "client_busy": _median([r.get("client_busy") for r in runs]),
             "frontend_ms": {k: _median([r["frontend_ms"][k] for r in runs]) for k in first["frontend_ms"]},
             "dead_streams": sum(r.get("dead_streams", 0) for r in runs),
             "failed_requests": sum(r.get("failed_requests", 0) for r in runs),
@@ -725,15 +734,16 @@ def print_tables(paths: list[dict], poisson_results: list[dict]) -> None:
             print(f"| {r['path']} | {fmt(r['tok_s'], '.0f')} | {fmt(r['ratio'], '.3f')} | {r['notes']} |")
     if poisson_results:
         print("\n| path | rate req/s | requests | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
-              "| TTFT mean ms: client / frontend (queued + prefill) | frontend TTFT p99 ms, at most | notes |\n"
-              "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |")
+              "| TTFT mean ms: client / frontend (queued + prefill) | frontend TTFT p99 ms, at most "
+              "| busiest client process, CPU s / s | notes |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |")
         for r in sorted(poisson_results, key=lambda r: r["rate"]):
             ttft, itl = (" / ".join(f"{v:.1f}" for v in p) if p else "-" for p in (r["ttft_ms"], r["itl_ms"]))
             f = r["frontend_ms"]
             means = (f"{fmt(r['ttft_mean_ms'], '.1f')} / {fmt(f['ttft'], '.1f')} "
                      f"({fmt(f['queue'], '.1f')} + {fmt(f['prefill'], '.1f')})")
             print(f"| {r['label']} | {r['rate']:g} | {r['requests']} | {r['tok_s']:.0f} | {ttft} | {itl} | {means} "
-                  f"| {fmt(f.get('ttft_p99'), 'g')} | {r['notes']} |")
+                  f"| {fmt(f.get('ttft_p99'), 'g')} | {fmt(r.get('client_busy'), '.2f')} | {r['notes']} |")
 
 
 # ---- main ----

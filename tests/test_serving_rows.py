@@ -21,7 +21,7 @@ def _run(path: str, rate: float, rng: random.Random, scale: float) -> tuple[dict
     itl = [rng.expovariate(1 / 0.002) for _ in range(2000)]
     r = {"path": path, "rate": rate, "requests": 256, "tokens": 150_000, "seconds": 12.0 * scale,
          "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "ttft_mean_ms": 1e3 * statistics.fmean(ttft),
-         "frontend_ms": {"ttft": 9.0 * scale, "queue": 2.5, "prefill": None}}
+         "frontend_ms": {"ttft": 9.0 * scale, "queue": 2.5, "prefill": None}, "client_busy": 0.25 * scale}
     return r, ttft, itl
 
 
@@ -58,6 +58,8 @@ def test_runs_pair_by_number_and_medians_pair_with_medians():
         assert row["ttft_ms"][2] == pytest.approx(statistics.median(p99(samples[path, i][0]) for i in (1, 2, 3)))
         assert row["itl_ms"][2] == pytest.approx(statistics.median(p99(samples[path, i][1]) for i in (1, 2, 3)))
         assert row["frontend_ms"]["prefill"] is None
+        assert row["client_busy"] == pytest.approx(statistics.median(
+            0.25 * scale * (1.4 if path == http_path else 1.0) for scale in (1.0, 1.3, 0.8)))
     assert http_median["tok_s"] == pytest.approx(150_000 / (12.0 * 1.4))  # the median run's, scale 1.0
     want = http_median["ttft_ms"][2] / engine_median["ttft_ms"][2]
     assert f"TTFT p99 {want:.2f}x AsyncEngine's" in http_median["notes"]
