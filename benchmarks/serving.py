@@ -5,7 +5,7 @@ latency of requests that arrive as a Poisson process; and the same burst
 through the OpenAI-compatible HTTP server with the openai client.
 
     python3 benchmarks/serving.py [--parts inproc,burst,burst-logprobs,scaleout,http,poisson,http-poisson]
-        [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 4] [--client openai|httpx]
+        [--num-requests 256] [--frontends 2] [--api-servers 2] [--http-clients 8] [--client openai|httpx]
         [--prompts text|ids] [--rates 8,24]
         [--tensor-parallel-size 1] [--data-parallel-size 1 (http: serve's cores)]
         [--repeats 1] [--poisson-runs 1] [--loop-load MS] [--py-spy SECONDS]
@@ -83,6 +83,10 @@ And how busy the busiest client process was: its CPU seconds (all threads)
 over the run's wall seconds; for poisson that is this process, frontend
 included, for http-poisson the busiest of the client processes. A client
 process near 1 queues its own requests' chunks, and its TTFT tail is its own.
+Hence 8 client processes by default: at 24 req/s on an H200, 4 openai client
+processes were 0.67-0.75 busy and their TTFT p99 1.4-2.0x AsyncEngine's with
+the frontends' own p99 in the same bucket; 8 were 0.45-0.48 busy and 1.07-1.29x
+(benchmarks/RESULTS.md).
 
 burst, burst-logprobs and poisson share one spawned engine (a new one after
 an EngineDeadError), run before scaleout starts its core, and the server of
@@ -754,7 +758,7 @@ def parse_args():
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--frontends", type=int, default=2, help="frontend processes of scaleout")
     parser.add_argument("--api-servers", type=int, default=2, help="API server processes of http")
-    parser.add_argument("--http-clients", type=int, default=4, help="client processes of http")
+    parser.add_argument("--http-clients", type=int, default=8, help="client processes of http")
     parser.add_argument("--client", default="openai", choices=["openai", "httpx"],
                         help="what the http clients send with: the openai client, or bare httpx parsing each chunk "
                              "with json")
