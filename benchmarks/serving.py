@@ -85,7 +85,7 @@ included, for http-poisson the busiest of the client processes. A client
 process near 1 queues its own requests' chunks, and its TTFT tail is its own.
 Hence 8 client processes by default: at 24 req/s on an H200, 4 openai client
 processes were 0.67-0.75 busy and their TTFT p99 1.4-2.0x AsyncEngine's with
-the frontends' own p99 in the same bucket; 8 were 0.45-0.48 busy and 1.07-1.29x
+the frontends' own p99 in the same bucket; 8 were 0.45-0.48 busy and 1.00-1.29x
 (benchmarks/RESULTS.md).
 
 burst, burst-logprobs and poisson share one spawned engine (a new one after
