@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from pathlib import Path
 
 import httpx
 import openai
@@ -251,6 +252,13 @@ def test_a_dead_api_server_is_restarted_and_the_others_streams_go_on(checkpoint)
         core_idle(s)  # the dropped streams were aborted in the core
         r = httpx.post(s.base_url + "/completions", timeout=30, json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200
+        # the run directory names the live API servers only (a drain waits for each one it names)
+        api = _roles(s)["api"]
+        with open(f"/proc/{api[0]}/cmdline") as f:
+            argv = f.read().split("\0")
+        run_dir = Path(argv[argv.index("--run-dir") + 1])
+        wait_for(lambda: sorted(int(f.stem.removeprefix("frontend-")) for f in run_dir.glob("frontend-*.url"))
+                 == sorted(api), timeout=10, what="the run directory's API servers")
     finally:
         assert s.stop() == 0
     assert not s.children()
@@ -271,36 +279,37 @@ def _stream(url: str, body: dict, out: dict) -> None:
                 out["tokens"] = (event.get("usage") or {}).get("completion_tokens", out["tokens"])
 
 
-def _answer(call):
-    """call()'s response, or None where the connection was dropped before any."""
-    try:
-        return call()
-    except httpx.TransportError:
-        return None
-
-
 def test_sigterm_lets_open_streams_finish_and_refuses_new_requests(checkpoint):
+    """Two API servers, one stream: on SIGTERM both answer new requests with 503 until the stream has
+    finished. The one with nothing to drain keeps its socket until the other is done, so no connection the
+    kernel queued on it (SO_REUSEPORT) is dropped; then serve exits 0."""
     s = Serve(checkpoint("qwen3"), "--api-servers", "2", "--max-model-len", "1024")
-    outs = [{} for _ in range(4)]
-    body = {"prompt": "The river", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
-    threads = [threading.Thread(target=_stream, args=(s.base_url, body, out)) for out in outs]
-    for t in threads:
-        t.start()
-    wait_for(lambda: all(out.get("events") for out in outs), what="every stream's first event")
+    api = _roles(s)["api"]
+    assert len(api) == 2
+    out = {}
+    t = threading.Thread(target=_stream, args=(s.base_url, {"prompt": "The river", **LONG}, out))
+    t.start()
+    wait_for(lambda: out.get("events"), what="the stream's first event")
     s.proc.send_signal(signal.SIGTERM)
-    # An API server with no stream to drain exits at once, and a connection the kernel had just queued on
-    # it is dropped: such a probe is sent again, and the other server answers.
-    wait_for(lambda: getattr(_answer(lambda: httpx.get(s.root + "/health", timeout=10)), "status_code", 0) == 503,
-             what="draining")
-    r = wait_for(lambda: _answer(lambda: httpx.post(s.base_url + "/completions", timeout=10,
-                                                    json={"prompt": "Hi", "max_tokens": 2})),
-                 what="an answer to a new request")
-    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
-    for t in threads:
-        t.join(60)
-    assert all(out["done"] and out["tokens"] == 120 and out["error"] is None for out in outs), outs
+    wait_for(lambda: httpx.get(s.root + "/health", timeout=10).status_code == 503, what="draining")
+    time.sleep(0.5)  # long enough for a server with nothing to drain to have closed, were it to
+    for _ in range(8):  # new connections, spread over both servers
+        r = httpx.post(s.base_url + "/completions", timeout=10, json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    assert not out["done"] and all(_running(pid) for pid in api), out
+    t.join(60)
+    assert out["done"] and out["tokens"] == LONG["max_tokens"] and out["error"] is None, out
     assert s.proc.wait(30) == 0
     assert not s.children()
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_the_shutdown_timeout_and_a_second_sigterm_cut_requests_with_a_clear_error(checkpoint):

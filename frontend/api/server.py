@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import time
 import urllib.request
 from pathlib import Path
 
@@ -138,9 +139,11 @@ async def _run_api_server(args: argparse.Namespace) -> None:
         loop, now, draining = asyncio.get_running_loop(), asyncio.Event(), []
 
         async def drain() -> None:
+            deadline = time.monotonic() + args.shutdown_timeout
             cut = await app.drain(args.shutdown_timeout, now)
             if cut:
                 logging.getLogger("headrace.frontend").warning("shut down with %d requests unfinished", cut)
+            await _wait_for_peers(own, deadline, now)
             server.should_exit = True
 
         def on_signal() -> None:
@@ -156,9 +159,31 @@ async def _run_api_server(args: argparse.Namespace) -> None:
         await task
     finally:
         own.unlink(missing_ok=True)
+        own.with_suffix(".drained").unlink(missing_ok=True)
         peers.close()
         await engine.aclose()
         sock.close()
+
+
+async def _wait_for_peers(own: Path, deadline: float, now: asyncio.Event) -> None:
+    """Mark this API server's drain done (a .drained file beside its .url) and wait until every live API
+    server's is, or until deadline (monotonic) or `now`. An API server that closed its socket while the others
+    still drain would reset the connections the kernel had queued on it (SO_REUSEPORT spreads them) instead of
+    answering them 503 as the others do."""
+    own.with_suffix(".drained").touch()
+    while not now.is_set() and time.monotonic() < deadline:
+        if all(f.with_suffix(".drained").exists() or not _alive(f) for f in own.parent.glob("frontend-*.url")):
+            return
+        await asyncio.sleep(0.05)
+
+
+def _alive(url_file: Path) -> bool:
+    """Whether the API server that wrote url_file (frontend-PID.url) is running."""
+    try:
+        os.kill(int(url_file.stem.removeprefix("frontend-")), 0)
+    except (ValueError, OSError):  # gone, or the pid is another user's process now
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:

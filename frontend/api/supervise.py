@@ -24,7 +24,8 @@ first exit.
 SIGTERM or SIGINT drains: the API servers answer new requests (and /health)
 with 503 and let the running ones finish, up to --shutdown-timeout seconds;
 the requests still running then fail with a 503 that says so, as they do at
-once on a second signal. Then the cores stop and serve exits 0.
+once on a second signal. Each keeps its socket until all are done (server.py's
+_wait_for_peers). Then the cores stop and serve exits 0.
 """
 from __future__ import annotations
 
@@ -226,6 +227,9 @@ def _supervise(children: list[_Child], args: argparse.Namespace, run_dir: Path, 
             counts[child.kind] += 1
             _write_counts(run_dir, counts)
             print(f"headrace serve: {child.name} exited{why}; restarting it", file=sys.stderr, flush=True)
+            if child.kind == "api_server" and child.process is not None:  # the files a killed one left
+                for suffix in (".url", ".drained"):
+                    (run_dir / f"frontend-{child.process.proc.pid}{suffix}").unlink(missing_ok=True)
             child.start()
         time.sleep(0.05)
     return 0
