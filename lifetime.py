@@ -54,9 +54,9 @@ def freeze_heap() -> None:
     server of `headrace serve`), once the engine is built or connected: collect, then freeze what is alive
     (torch, the model, the imported modules, the tokenizer) out of the garbage collector's scans. A full
     collection otherwise walks those few hundred thousand objects: in a long run of the community workload
-    each held the host 0.1-0.3 s, the GPU idle meanwhile (benchmarks/RESULTS.md). Not for a process that builds and drops engines (LLM, tests): an engine it
-    dropped into a garbage cycle after this ran would keep its memory until the process exits; there,
-    heap_frozen() around the work."""
+    each held the host 0.1-0.3 s, the GPU idle meanwhile (benchmarks/RESULTS.md). Not for a process that
+    builds and drops engines (LLM, tests): an engine it dropped into a garbage cycle after this ran would keep
+    its memory until the process exits; there, heap_frozen() around the work."""
     gc.collect()  # garbage frozen would never be freed
     gc.freeze()
 

@@ -82,7 +82,7 @@ def test_dense_linear_several_slices_a_program(m, poisoned_empty):
     _run(m, 2176, 256, torch.float16, True, True, False, bias=False, config=SPLIT if m == 1 else DOT_SPLIT)
 
 
-def test_dense_linear_few_rows_several_slices():
+def test_dense_linear_few_rows_several_slices(poisoned_empty):
     """A few rows on a narrow weight whose K takes several slices (past dense._ROW_K in a model: a 1536 x 8960 down
     projection at 2 to 4 rows): each row's per-lane sums carried from slice to slice, the last slice ragged."""
     _run(2, 531, 136, torch.float16, False, False, False, bias=True, config=(2, 64, 4, 1))  # 266 tiles: K not split

@@ -66,6 +66,17 @@ def reserve_port(host: str, port: int) -> socket.socket:
 # ---- one API server process ----
 
 
+def api_server_file(run_dir: Path, pid: int, suffix: str = ".url") -> Path:
+    """An API server's file in the run directory: its frontend series' URL (.url), or the mark that its drain
+    is done (.drained)."""
+    return run_dir / f"frontend-{pid}{suffix}"
+
+
+def _url_files(run_dir: Path) -> list[Path]:
+    """The .url files of every API server in the run directory (frontend-PID.url)."""
+    return sorted(run_dir.glob("frontend-*.url"))
+
+
 class _Metrics:
     """/metrics: this frontend's registry, the cores' pages, the other API servers' pages and the
     parent's restart counts, merged."""
@@ -79,7 +90,7 @@ class _Metrics:
         from headrace.metrics.exporter import merge_expositions
 
         urls = [f.read_text() for f in sorted(self.run_dir.glob("core-*.url"))]
-        urls += [f.read_text() for f in sorted(self.run_dir.glob("frontend-*.url")) if f != self.own_file]
+        urls += [f.read_text() for f in _url_files(self.run_dir) if f != self.own_file]
         pages = await asyncio.gather(*(asyncio.to_thread(_fetch, u) for u in urls), return_exceptions=True)
         texts = [generate_latest(self.registry).decode(), self._restarts()]
         return merge_expositions(texts + [p for p in pages if isinstance(p, str)])
@@ -116,7 +127,7 @@ async def _run_api_server(args: argparse.Namespace) -> None:
     await engine.start()
     peers = MetricsServer(registry, "127.0.0.1", 0)  # for the other API servers' /metrics
     run_dir = Path(args.run_dir)
-    own = run_dir / f"frontend-{os.getpid()}.url"
+    own = api_server_file(run_dir, os.getpid())
     part = own.with_suffix(".part")
     part.write_text(peers.url)
     part.rename(own)
@@ -172,7 +183,7 @@ async def _wait_for_peers(own: Path, deadline: float, now: asyncio.Event) -> Non
     answering them 503 as the others do."""
     own.with_suffix(".drained").touch()
     while not now.is_set() and time.monotonic() < deadline:
-        if all(f.with_suffix(".drained").exists() or not _alive(f) for f in own.parent.glob("frontend-*.url")):
+        if all(f.with_suffix(".drained").exists() or not _alive(f) for f in _url_files(own.parent)):
             return
         await asyncio.sleep(0.05)
 

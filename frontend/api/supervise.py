@@ -43,7 +43,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from headrace.frontend.api.server import reserve_port
+from headrace.frontend.api.server import api_server_file, reserve_port
 from headrace.lifetime import terminate
 
 
@@ -229,7 +229,7 @@ def _supervise(children: list[_Child], args: argparse.Namespace, run_dir: Path, 
             print(f"headrace serve: {child.name} exited{why}; restarting it", file=sys.stderr, flush=True)
             if child.kind == "api_server" and child.process is not None:  # the files a killed one left
                 for suffix in (".url", ".drained"):
-                    (run_dir / f"frontend-{child.process.proc.pid}{suffix}").unlink(missing_ok=True)
+                    api_server_file(run_dir, child.process.proc.pid, suffix).unlink(missing_ok=True)
             child.start()
         time.sleep(0.05)
     return 0
