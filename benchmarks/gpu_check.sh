@@ -73,7 +73,8 @@ for stage in "$@"; do
     ptests) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_parallel.py 2>&1 | tee "$out/gpu_parallel_tests.log" | tail -30 ;;
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_parallel.py tests/test_overlap.py tests/test_triton_kernels.py \
              tests/test_attention_kernels.py tests/test_layer_kernels.py tests/test_input_prep.py \
-             tests/test_int4_kernels.py tests/test_gguf_kernels.py 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
+             tests/test_int4_kernels.py tests/test_gguf_kernels.py tests/test_dense_kernel.py tests/test_kernels.py \
+             tests/test_graph_sizes.py tests/test_beam_search.py 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
     decode) python3 benchmarks/decode_step.py --profile 256x1024 2>&1 | grep -v -i warn | tee "$out/decode_step.log" ;;
     throughput) python3 benchmarks/throughput.py 2>&1 | grep -v -i warn | tee "$out/throughput.log" ;;
     logprobs) python3 benchmarks/logprobs_cost.py --qwen3-0.6b --device cuda --batch 64 2>&1 | grep -v -i warn \

@@ -1,4 +1,6 @@
-"""Beam search and best_of against transformers' generate on the same checkpoints."""
+"""Beam search and best_of against transformers' generate on the same checkpoints. The engines that
+are compared with transformers' float32 numbers run in float32 on either device (a GPU would otherwise
+take bfloat16)."""
 from __future__ import annotations
 
 import asyncio
@@ -82,7 +84,7 @@ def test_beam_search_matches_transformers(arch, checkpoint, hf_model, eos_checkp
     batch mixed with plain requests, against transformers' beam search."""
     path, eos = eos_checkpoints(checkpoint, hf_model, arch)
     model = hf_model(path)
-    llm = LLM(path, max_model_len=256)
+    llm = LLM(path, max_model_len=256, dtype="float32")
     ps = prompts(llm.engine.model_config.vocab_size, [7, 23], seed=1)
     combos = [beam_params(w, n, lp, es) for w, lp, es in itertools.product((2, 4), (0.0, 1.0, 2.0),
                                                                           (True, False, "never")) for n in (1, w)]
@@ -109,7 +111,7 @@ def test_beam_search_chunked_prefill_preemption_no_prefix_cache(arch, checkpoint
     for kwargs in (dict(num_kv_blocks=40, block_size=8, max_num_batched_tokens=16),
                    dict(enable_prefix_caching=False, max_num_batched_tokens=7),
                    dict(async_scheduling=False, num_kv_blocks=40, block_size=8)):
-        llm = LLM(path, max_model_len=128, **kwargs)
+        llm = LLM(path, max_model_len=128, dtype="float32", **kwargs)
         outs = llm.generate(ps, sp, use_tqdm=False)
         for p, out in zip(ps, outs):
             check_beams(out, hf_beams(model, p, sp, eos), sp, eos)
@@ -144,7 +146,7 @@ def test_beams_share_the_prompt_blocks_and_abort_frees_them(checkpoint):
 def test_beam_logprobs_match_transformers(width, checkpoint, hf_model):
     path = checkpoint("qwen3")
     model = hf_model(path)
-    llm = LLM(path, max_model_len=128)
+    llm = LLM(path, max_model_len=128, dtype="float32")
     p = prompts(llm.engine.model_config.vocab_size, [9], seed=3)[0]
     out = llm.generate([p], beam_params(width, width, logprobs=2), use_tqdm=False)[0]
     for c in out.outputs:
@@ -161,7 +163,7 @@ def test_beam_logprobs_match_transformers(width, checkpoint, hf_model):
 def test_llm_beam_search_and_temperature(checkpoint, hf_model):
     path = checkpoint("qwen2")
     model = hf_model(path)
-    llm = LLM(path, max_model_len=128)
+    llm = LLM(path, max_model_len=128, dtype="float32")
     ps = prompts(llm.engine.model_config.vocab_size, [5, 12], seed=4)
     outs = llm.beam_search(ps, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
     for p, out in zip(ps, outs):
