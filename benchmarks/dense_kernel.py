@@ -13,7 +13,8 @@ copies that none stays in L2, of
 - cuBLAS alone.
 The floor is the weight bytes at the copy bandwidth measured in this run.
 --sweep times the kernel's candidate configs at 1 and 8 rows, each on the path
-(FMAs or tl.dot) that dense_linear takes there.
+(FMAs or tl.dot) that dense_linear takes there, and at the end lists each model's
+and row count's configs with their time on every shape, fastest summed first.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def main() -> None:
           f"{'cuBLAS us':>10}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     models = ["0.6b", "8b"] if args.model == "both" else [args.model]
-    for name, n, k, norm, gated in (s for m in models for s in SHAPES[m]):
+    swept: dict[tuple, dict[tuple, dict[str, float]]] = {}  # (model, rows) -> config -> shape -> us
+    for model, name, n, k, norm, gated in ((m, *s) for m in models for s in SHAPES[m]):
         count = max(2, -(-2 * L2_BYTES // (2 * n * k)))
         weights = [((torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16(),
                     torch.zeros(split_k_tiles(n), dtype=torch.int32, device="cuda")) for _ in range(count)]
@@ -91,7 +93,7 @@ def main() -> None:
             steps = graph_call_us([unfused(*w) for w in weights])
             cublas = graph_call_us([(lambda w=w: F.linear(x, w)) for w, _ in weights])
             print(f"{name + ' ' + str(n) + 'x' + str(k):>16} {m:>3} {ours:9.1f} {floor:9.1f} {ours / floor:8.2f} "
-                  f"{steps:11.1f} {cublas:10.1f}" + (f"  {row_config(n, k, gated)}" if m == 1 else ""))
+                  f"{steps:11.1f} {cublas:10.1f}" + (f"  {row_config(n, k, gated, normed=norm)}" if m == 1 else ""))
             if args.sweep and m in (1, 8):
                 results = []
                 for cfg in sweep_configs(m, n, k, gated):
@@ -101,9 +103,16 @@ def main() -> None:
                         print(f"    {cfg}: {type(e).__name__}")
                         continue
                     results.append((us, cfg))
+                    swept.setdefault((model, m), {}).setdefault(cfg, {})[name] = us
                 print("    best configs: " + ", ".join(f"{cfg} {us:.1f}" for us, cfg in sorted(results)[:4]))
         del weights
         torch.cuda.empty_cache()
+    for (model, m), by_config in swept.items():  # every config that ran on each shape, fastest summed first
+        names = [s[0] for s in SHAPES[model]]
+        print(f"\n{model}, M={m}, us by shape ({', '.join(names)}) and summed:")
+        for cfg, times in sorted(by_config.items(), key=lambda c: sum(c[1].values())):
+            if len(times) == len(names):
+                print(f"    {cfg}: " + " ".join(f"{times[s]:6.1f}" for s in names) + f"  {sum(times.values()):7.1f}")
 
 
 if __name__ == "__main__":

@@ -204,14 +204,18 @@ _ROW_K = 4096  # the most of K one program holds at one row
 _ROW_ELEMENTS = 16384  # a one-row program's weight rows x K on a narrow weight (128 a thread at 4 warps)
 
 
-def row_config(n_rows: int, k: int, gated: bool = False, m: int = 1) -> tuple[int, int, int, int]:
+def row_config(n_rows: int, k: int, gated: bool = False, m: int = 1,
+               normed: bool = False) -> tuple[int, int, int, int]:
     """(ROWS, BLOCK_K, num_warps, num_stages) without tl.dot (fma_path), for m rows on a weight of n_rows x k.
     A narrow weight (at most PLAIN_N rows: o and down of Qwen3-0.6B) takes up to 4096 of K in one slice, so that
     each program issues all its weight loads at once and there are enough programs to need no K split (which adds
     a partial's store, a count and the sum's loads); at one row a program takes as many weight rows as
     _ROW_ELEMENTS holds, at more 2 (their per-lane sums must fit too). A wide one with a short K takes it in one
     slice too, 8 rows a program (16 gated); wider and longer weights (Qwen3-8B's q|k|v and gate|up) were slower
-    so (27.8 and 92.0 us against 24.7 and 79.0 for norm + cuBLAS + SiLU on an H100) and keep 512-wide slices.
+    so (27.8 and 92.0 us against 24.7 and 79.0 for norm + cuBLAS + SiLU on an H100) and keep 512-wide slices, 16
+    rows a program at 8 warps with the norm in (normed) or gated; without (Qwen3-8B's o and down) one row a program
+    takes up to 4096 of K a slice at 8 warps and 3 stages. On an H200 that took the four from 124.7-126.5 us a layer to
+    113.3-113.9, against 8 rows, 512-wide slices and 4 warps for all (benchmarks/RESULTS.md).
     On an H100, 2 rows a program and K whole took Qwen3-0.6B's o and down from 6.5 and 7.2 us to 3.3 and 4.0 at
     one row; on an H200 (benchmarks/RESULTS.md) o at 8 rows a program took 2.0 us against 2.3, down at 4 2.6
     against 2.7 and gate|up at 16 6.1-6.3 against 6.5, and the one-row decode step 0.752-0.757 ms against
@@ -221,7 +225,7 @@ def row_config(n_rows: int, k: int, gated: bool = False, m: int = 1) -> tuple[in
         return (2 if m > 1 else max(2, min(8, _ROW_ELEMENTS // whole_k))), whole_k, 4, 1
     if k <= 1024:
         return (16 if gated else 8), whole_k, 8, 1
-    return 8, 512, 4, 1
+    return (16, 512, 8, 1) if normed or gated else (1, whole_k, 8, 3)
 
 
 def fma_path(m: int, n_rows: int, k: int) -> bool:
@@ -261,7 +265,8 @@ def dense_linear(
     assert not gated or rows % 2 == 0
     n = rows // 2 if gated else rows
     fma = fma_path(m, rows, k)
-    block_rows, block_k, warps, stages = config or (row_config(rows, k, gated, m) if fma else DOT_CONFIG)
+    block_rows, block_k, warps, stages = config or (row_config(rows, k, gated, m, norm is not None) if fma
+                                                   else DOT_CONFIG)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     block_m = triton.next_power_of_2(m) if fma else max(16, triton.next_power_of_2(m))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -95,6 +95,14 @@ def test_dense_linear_one_row_configs_in_use(n_rows, k, gated, poisoned_empty):
     _run(1, n_rows, k, torch.float16, True, True, gated, bias=not gated, config=None)
 
 
+@pytest.mark.parametrize("norm,gated", [(False, False), (True, True)])
+def test_dense_linear_one_row_wide_and_long(norm, gated, poisoned_empty):
+    """One row on a wide weight with K past 1024 (Qwen3-8B's projections), at the configs row_config picks: plain
+    (o, down) one weight row a program, K whole in one slice (up to 4096: here 2048 wide, ragged); gated with the norm
+    in (gate|up; q|k|v, normed, takes the same) 16 rows a program over 512-wide slices, the last ragged."""
+    _run(1, 2056, 1100, torch.float16, norm, norm, gated, bias=not gated, config=None)
+
+
 def test_dense_linear_many_rows_refused():
     x = torch.zeros(33, 64, device=DEVICE)
     with pytest.raises(ValueError, match="1 to 32 rows"):

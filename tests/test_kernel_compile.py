@@ -158,6 +158,9 @@ def test_projection_kernels_compile_for_hopper(launches):
         x = torch.zeros(rows, 128, **bf16)
         dense_linear(x, w, None, (nw, 1e-6), torch.zeros(rows, 128, **bf16), gated)
     dense_linear(torch.zeros(2, 128, **bf16), w, None)  # o and down at two rows: the weights read before the wait
+    wide, k_nw = torch.zeros(2056, 1100, **bf16), torch.ones(1100, **bf16)  # one row, wide and long: Qwen3-8B's
+    dense_linear(torch.zeros(1, 1100, **bf16), wide, None)
+    dense_linear(torch.zeros(1, 1100, **bf16), wide, None, (k_nw, 1e-6), torch.zeros(1, 1100, **bf16), True)
     x = torch.zeros(4, 128, **bf16)
     rms_norm(x, nw, 1e-6, torch.zeros(4, 128, **bf16))
     silu_and_mul(torch.zeros(4, 256, **bf16))
