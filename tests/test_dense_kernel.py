@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from headrace.executor.models.layers import RMSNorm, silu_and_mul
+from headrace.kernels import dense
 from headrace.kernels.dense import dense_linear, dense_linear_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,11 +97,15 @@ def test_dense_linear_one_row_configs_in_use(n_rows, k, gated, poisoned_empty):
 
 
 @pytest.mark.parametrize("norm,gated", [(False, False), (True, True)])
-def test_dense_linear_one_row_wide_and_long(norm, gated, poisoned_empty):
+def test_dense_linear_one_row_wide_and_long(norm, gated, poisoned_empty, monkeypatch):
     """One row on a wide weight with K past 1024 (Qwen3-8B's projections), at the configs row_config picks: plain
     (o, down) one weight row a program, K whole in one slice (up to 4096: here 2048 wide, ragged); gated with the norm
-    in (gate|up; q|k|v, normed, takes the same) 16 rows a program over 512-wide slices, the last ragged."""
-    _run(1, 2056, 1100, torch.float16, norm, norm, gated, bias=not gated, config=None)
+    in (gate|up; q|k|v, normed, takes the same) 16 rows a program over 512-wide slices, the last ragged. "Wide" is
+    past PLAIN_N rows, lowered here so that 72 rows (not a multiple of 16) count, which keeps the interpreter's
+    programs few."""
+    monkeypatch.setattr(dense, "PLAIN_N", 64)
+    assert dense.row_config(72, 1100, gated, normed=norm)[0] == (16 if norm else 1)
+    _run(1, 72, 1100, torch.float16, norm, norm, gated, bias=not gated, config=None)
 
 
 def test_dense_linear_many_rows_refused():
