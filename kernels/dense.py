@@ -242,8 +242,11 @@ def max_rows(n_rows: int, plain: bool) -> int:
 
 
 def split_k_tiles(n: int) -> int:
-    """Output tiles of the kernel on n weight rows, at most (its split-K counters)."""
-    return triton.cdiv(n, min(row_config(n, 1, m=2)[0], DOT_CONFIG[0]))  # m > 1: the fewest rows a program
+    """The split-K counters a layer of n weight rows keeps: the output tiles of a launch at m > 1 rows, at most
+    (the fewest rows a program there). At one row a wide weight with a long K takes one row a program (row_config),
+    more than PLAIN_N tiles, which splitk.plan splits only on a GPU of over PLAIN_N / PROGRAMS_PER_SM SMs; a launch
+    that finds too few counters takes fresh ones (splitk.counters_for)."""
+    return triton.cdiv(n, min(row_config(n, 1, m=2)[0], DOT_CONFIG[0]))
 
 
 def dense_linear(
