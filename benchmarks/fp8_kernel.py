@@ -48,12 +48,12 @@ SWEPT_ROWS = (1, 4, 16, 32, 64)
 
 def sweep_configs(m: int):
     """--sweep's candidates at m rows: fp8_few_rows' (BLOCK_N, BLOCK_K, warps, stages) up to FEW_ROWS rows,
-    fp8_mm's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) beyond."""
+    fp8_mm's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs an SM) beyond."""
     if m == 1:
         return itertools.product((4, 8, 16, 32), (512, 1024, 2048), (4, 8), (1, 2, 3, 4))
     if m <= FEW_ROWS:
         return itertools.product((16, 32, 64), (128, 256, 512), (4,), (1, 3))
-    return itertools.product((32, 64), (32, 64, 128), (128, 256), (4,), (3, 5))
+    return itertools.product((32, 64) if m <= 32 else (64,), (32, 64, 128), (128, 256), (4, 8), (3, 5), (1, 2, 3))
 
 
 def main() -> None:

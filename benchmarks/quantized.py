@@ -2,6 +2,7 @@
 
     python3 benchmarks/quantized.py [--parts memory,decode,community,gguf] [--formats bf16,fp8,int4,int4-head]
                                     [--quantize-embeddings] [--num-requests 64] [--batches 1,16] [--profile 1,16]
+                                    [--by-rows] [--kernels]
 
 Formats, on the Qwen3-8B shape with random weights (benchmarks_common.qwen3_8b_checkpoint):
 bf16 as stored; fp8 (quantization="fp8": E4M3 weights quantized at load, per
@@ -26,7 +27,9 @@ the memory and decode parts.
   community  benchmarks_common.workload of --num-requests requests (temperature
              0.6, ignore_eos, max_model_len 4096) in bf16 and fp8 (int4 is left
              out to keep the run short): output tokens/s, and time over the floor
-             of the schedule the engine ran.
+             of the schedule the engine ran. --by-rows splits each format's run
+             by the steps' batch rows (as throughput.py --by-rows); --kernels
+             runs it once more under the profiler: GPU time by kernel.
   gguf       the SmolLM2-135M-Instruct Q4_1 file on the GPU, its blocks packed
              (the default) and dequantized to bf16 at load: weight memory,
              single-stream decode tokens/s (a 256-token greedy generation less
@@ -244,10 +247,10 @@ def format_parts(args, formats, bw, rate) -> None:
 
 
 def community(args, formats, bw, rate) -> None:
-    from benchmarks_common import ScheduleRecorder, StepFloor, qwen3_8b_checkpoint, workload
+    from benchmarks_common import ScheduleRecorder, StepFloor, StepTimeline, by_rows, qwen3_8b_checkpoint, workload
     from headrace.config import EngineArgs
     from headrace.core.engine import EngineCore
-    from throughput import run_ours
+    from throughput import kernel_table, run_ours
 
     model = str(qwen3_8b_checkpoint())
     prompts, max_tokens = workload(args.num_requests)
@@ -258,11 +261,19 @@ def community(args, formats, bw, rate) -> None:
         floor = StepFloor(core, bw, rate)
         floor.weight_bytes = step_read_bytes(held_bytes(core.executor.model))
         run_ours(core, prompts, [2] * len(prompts))  # warm-up: every prefill shape
+        timeline = StepTimeline(core) if args.by_rows else None
         rec = ScheduleRecorder(core)
         elapsed, out, _ = run_ours(core, prompts, max_tokens)
         rec.detach()
         t_floor = sum(floor.seconds(rec.steps, rec.kv_tokens, rec.tokens, rec.sampled_rows, rec.pairs))
         rows[fmt] = (out, elapsed, rec.steps, t_floor)
+        if timeline:
+            torch.cuda.synchronize()
+            print(f"--- {fmt}: the community run's steps by rows")
+            print("\n".join("  " + line for line in by_rows(rec.per_step, timeline.spans(), floor)))
+        if args.kernels:
+            print(f"--- {fmt}: ", end="")
+            kernel_table(core, prompts, max_tokens)
         release(core)
         del core
     print(f"\ncommunity workload, {args.num_requests} requests (target: fp8 >= 1.3x bf16 tok/s)")
@@ -332,6 +343,10 @@ def main() -> None:
     parser.add_argument("--batches", type=_batches, default=(1, 16),
                         help="BATCH[,...]: the decode part's batch sizes")
     parser.add_argument("--profile", default="", help="BATCH[,...]: profile those batches' decode steps")
+    parser.add_argument("--by-rows", action="store_true",
+                        help="community: each format's steps by batch rows (GPU time, wait for the host, floor)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="community: each format's GPU time by kernel over one more run under the profiler")
     args = parser.parse_args()
     args.parts, formats = args.parts.split(","), args.formats.split(",")
     for given, known in ((args.parts, PARTS), (formats, FORMATS)):

@@ -324,9 +324,9 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 # Up to MM_ROWS rows _fp8_mm_kernel, beyond them _scaled_mm. On an H100 (Qwen3-8B's
 # projections, benchmarks/RESULTS.md) at 17 to 128 rows the kernel took 0.67-0.99x
 # _scaled_mm's time (quantization included in both), at 256 rows up to 1.4x.
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the sweep's best or within 4%
-# on each shape at 16 to 64 rows; K split until every SM has about a program.
-MM_ROWS, MM_CONFIG, MM_PROGRAMS_PER_SM = 128, (64, 64, 128, 4, 5), 1
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs an SM): the sweep's best or
+# within 4% on each shape at 16 to 64 rows; K split until every SM has about that many programs.
+MM_ROWS, MM_CONFIG = 128, (64, 64, 128, 4, 5, 1)
 # Bytes of each weight row a program asks L2 for before it waits for the kernel before: only under PDL
 # (Hopper and later, where cp.async.bulk.prefetch exists), the one case where that wait overlaps anything.
 MM_PREFETCH = 512
@@ -342,11 +342,11 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     n = weight.shape[0]
     if not 0 < m <= MM_ROWS:
         raise ValueError(f"fp8_mm takes 1 to {MM_ROWS} rows, got {m}")
-    block_m, block_n, block_k, warps, stages = config or MM_CONFIG
+    block_m, block_n, block_k, warps, stages, per_sm = config or MM_CONFIG
     x_q = x_q.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (m, n), out, counts, MM_PROGRAMS_PER_SM)
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (m, n), out, counts, per_sm)
     launch = pdl_args(x_q.device)
     _fp8_mm_kernel[(tiles, splits)](
         x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, part, counts,
