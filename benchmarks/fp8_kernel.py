@@ -53,7 +53,7 @@ def sweep_configs(m: int):
         return itertools.product((4, 8, 16, 32), (512, 1024, 2048), (4, 8), (1, 2, 3, 4))
     if m <= FEW_ROWS:
         return itertools.product((16, 32, 64), (128, 256, 512), (4,), (1, 3))
-    return itertools.product((32, 64) if m <= 32 else (64,), (32, 64, 128), (128, 256), (4, 8), (3, 5), (1, 2, 3))
+    return itertools.product((64,), (32, 64, 128), (128, 256), (4, 8), (3, 5), (1, 2, 3))
 
 
 def main() -> None:
