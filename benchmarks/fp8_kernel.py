@@ -1,6 +1,6 @@
 """fp8_linear (kernels/fp8.py) on Qwen3-8B's projection shapes, against its floor and bf16 F.linear.
 
-    python3 benchmarks/fp8_kernel.py [--ms 1,4,16,32,64] [--sweep]
+    python3 benchmarks/fp8_kernel.py [--ms 1,4,16,32,64] [--sweep] [--best-out FILE]
 
 For (N, K) in 4096x4096 (o_proj), 6144x4096 (q|k|v), 24576x4096 (gate|up) and
 4096x12288 (down), bf16 activations and M tokens: microseconds per call of the
@@ -10,15 +10,18 @@ above), of the few-rows kernel
 (up to 64 rows) and of quantization plus _scaled_mm, timed as CUDA-graph
 replays cycling through enough weight copies that none stays in L2. The floor
 is the E4M3 weight bytes at the copy bandwidth measured in this run; the peer
-is F.linear on bf16 weights, timed the same way. --sweep times the few-rows
-kernel's candidate configs at 1, 4 and 16 rows and fp8_mm's (on rows quantized
-beforehand) at 32 and 64, and at the end ranks each row count's configs by their
-time summed over the shapes (a config that failed on a shape is left out).
+is F.linear on bf16 weights, timed the same way. --sweep times, at each of
+--ms, the few-rows kernel's candidate configs up to FEW_ROWS rows and fp8_mm's
+(on rows quantized beforehand) beyond, and at the end ranks each row count's
+configs by their time summed over the shapes (a config that failed on a shape is
+left out), with each shape's time and each shape's fastest; --best-out writes
+those fastest as JSON ({rows: {"NxK": [config, us]}}).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +46,6 @@ def scaled_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor
     return torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=s.t(), out_dtype=x.dtype)
 
 
-SWEPT_ROWS = (1, 4, 16, 32, 64)
-
-
 def sweep_configs(m: int):
     """--sweep's candidates at m rows: fp8_few_rows' (BLOCK_N, BLOCK_K, warps, stages) up to FEW_ROWS rows,
     fp8_mm's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs an SM) beyond."""
@@ -60,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", default="1,4,16,32,64")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--best-out", default="", help="with --sweep: write each shape's fastest config here")
     args = parser.parse_args()
     bw, _ = measure_ceilings(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; few-rows kernel up to {FEW_ROWS} rows, "
@@ -82,7 +83,7 @@ def main() -> None:
             peer = per_call_us(lambda w: lambda: F.linear(x, w), [(w,) for w in dense])
             print(f"{n:>6}x{k:<5} {m:>4} {layer:9.1f} {floor:9.1f} {layer / floor:8.2f} {few:9.1f} {cublas:10.1f} "
                   f"{peer:8.1f}")
-            if args.sweep and m in SWEPT_ROWS:
+            if args.sweep:
                 x_q, x_s = quantize_rows_triton(x)
                 results = []
                 for cfg in sweep_configs(m):
@@ -100,12 +101,25 @@ def main() -> None:
                 print("    best configs: " + ", ".join(f"{cfg} {us:.1f}" for us, cfg in sorted(results)[:4]))
         del weights, dense
         torch.cuda.empty_cache()
+    names = [f"{n}x{k}" for n, k in SHAPES]
+    best: dict[int, dict[str, tuple]] = {}
     for m, by_config in swept.items():
         ranked = sorted((sum(times), cfg) for cfg, times in by_config.items() if len(times) == len(SHAPES))
         in_use = ROW_CONFIG if m == 1 else DOT_CONFIG if m <= FEW_ROWS else MM_CONFIG
-        print(f"M={m}, us summed over the {len(SHAPES)} shapes: "
-              + ", ".join(f"{cfg} {us:.1f}" for us, cfg in ranked[:6])
-              + "".join(f"; in use {cfg} {us:.1f}" for us, cfg in ranked if cfg == in_use))
+        print(f"M={m}, us summed over the {len(SHAPES)} shapes, and each shape's: " + "  ".join(names))
+        for i, (us, cfg) in enumerate(ranked):
+            if i < 8 or cfg == in_use:
+                print(f"    {str(cfg):<28} {us:7.1f}  " + "  ".join(f"{t:7.1f}" for t in by_config[cfg])
+                      + ("  (in use)" if cfg == in_use else ""))
+        best[m] = {}
+        for j, name in enumerate(names):
+            us, cfg = min((times[j], cfg) for cfg, times in by_config.items() if len(times) == len(SHAPES))
+            best[m][name] = (cfg, us)
+        print("    fastest on each shape: " + ", ".join(f"{name} {cfg} {us:.1f}" for name, (cfg, us) in best[m].items())
+              + f"; summed {sum(us for _, us in best[m].values()):.1f}")
+    if args.best_out:
+        with open(args.best_out, "w") as f:
+            json.dump(best, f)
 
 
 if __name__ == "__main__":
