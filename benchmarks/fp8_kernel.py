@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
-from headrace.kernels.fp8 import (DOT_CONFIG, FEW_ROWS, MM_CONFIG, ROW_CONFIG, fp8_few_rows, fp8_linear, fp8_mm,
-                                  quantize_rows, quantize_rows_triton)
+from headrace.kernels.fp8 import (DOT_CONFIG, FEW_ROWS, MM_CONFIG, PROGRAMS_PER_SM, ROW_CONFIG, fp8_few_rows,
+                                  fp8_linear, fp8_mm, quantize_rows, quantize_rows_triton)
 from headrace.kernels.splitk import counters
 
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]  # (N, K)
@@ -47,13 +47,13 @@ def scaled_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor
 
 
 def sweep_configs(m: int):
-    """--sweep's candidates at m rows: fp8_few_rows' (BLOCK_N, BLOCK_K, warps, stages) up to FEW_ROWS rows,
-    fp8_mm's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs an SM) beyond."""
+    """--sweep's candidates at m rows: fp8_few_rows' (BLOCK_N, BLOCK_K, warps, stages[, programs an SM]) up
+    to FEW_ROWS rows, fp8_mm's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs an SM) beyond."""
     if m == 1:
         return itertools.product((4, 8, 16, 32), (512, 1024, 2048), (4, 8), (1, 2, 3, 4))
     if m <= FEW_ROWS:
-        return itertools.product((16, 32, 64), (128, 256, 512), (4,), (1, 3))
-    return itertools.product((64,), (32, 64, 128), (128, 256), (4, 8), (3, 5), (1, 2, 3))
+        return itertools.product((16, 32, 64), (128, 256, 512), (4,), (2, 3, 4), (1, 2, 3))
+    return itertools.product((64,), (32, 64, 128), (64, 128, 256), (4,), (2, 3, 4, 5), (1, 2))
 
 
 def main() -> None:
@@ -105,7 +105,7 @@ def main() -> None:
     best: dict[int, dict[str, tuple]] = {}
     for m, by_config in swept.items():
         ranked = sorted((sum(times), cfg) for cfg, times in by_config.items() if len(times) == len(SHAPES))
-        in_use = ROW_CONFIG if m == 1 else DOT_CONFIG if m <= FEW_ROWS else MM_CONFIG
+        in_use = ROW_CONFIG if m == 1 else (*DOT_CONFIG, PROGRAMS_PER_SM) if m <= FEW_ROWS else MM_CONFIG
         print(f"M={m}, us summed over the {len(SHAPES)} shapes, and each shape's: " + "  ".join(names))
         for i, (us, cfg) in enumerate(ranked):
             if i < 8 or cfg == in_use:

@@ -258,16 +258,18 @@ def few_rows_tiles(n: int) -> int:
 def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                  counts: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] E4M3 * weight_scale [N, 1])^T + bias, M <= 64, x not quantized;
-    counts: the layer's split-K counters (kernels/splitk.py), zero between calls."""
+    counts: the layer's split-K counters (kernels/splitk.py), zero between calls; config: as DOT_CONFIG,
+    optionally with the programs an SM that K is split for (PROGRAMS_PER_SM if not), for benchmarks."""
     m, k = x.shape
     n = weight.shape[0]
     if not 0 < m <= _MAX_ROWS:
         raise ValueError(f"fp8_few_rows takes 1 to {_MAX_ROWS} rows, got {m}")
-    block_n, block_k, warps, stages = config or (DOT_CONFIG if m > 1 else ROW_CONFIG)
+    block_n, block_k, warps, stages, *per_sm = config or (DOT_CONFIG if m > 1 else ROW_CONFIG)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
-    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (m, n), out, counts, PROGRAMS_PER_SM)
+    k_per_split, splits, part, counts = splitk.plan(tiles, k, block_k, (m, n), out, counts,
+                                                    per_sm[0] if per_sm else PROGRAMS_PER_SM)
     # E4M3 passed as its bytes: the kernel reinterprets them (as the interpreter can too)
     _fp8_few_rows_kernel[(tiles, splits)](
         x, weight.view(torch.uint8), weight_scale, bias if bias is not None else weight_scale, out, part, counts,
