@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
-from headrace.kernels.fp8 import (DOT_CONFIG, FEW_ROWS, MM_CONFIG, PROGRAMS_PER_SM, ROW_CONFIG, fp8_few_rows,
-                                  fp8_linear, fp8_mm, quantize_rows, quantize_rows_triton)
+from headrace.kernels.fp8 import (DOT_CONFIG, DOT_WIDE_CONFIG, FEW_ROWS, MM_CONFIG, MM_WIDE_CONFIG, PROGRAMS_PER_SM,
+                                  ROW_CONFIG, fp8_few_rows, fp8_linear, fp8_mm, quantize_rows, quantize_rows_triton,
+                                  wide)
 from headrace.kernels.splitk import counters
 
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]  # (N, K)
@@ -56,6 +57,15 @@ def sweep_configs(m: int):
     return itertools.product((64,), (32, 64, 128), (64, 128, 256), (4,), (2, 3, 4, 5), (1, 2))
 
 
+def in_use_config(m: int, n: int) -> tuple:
+    """The config the launcher picks at m rows for an N-feature weight, as the sweep names it."""
+    if m == 1:
+        return ROW_CONFIG
+    if m <= FEW_ROWS:
+        return (*(DOT_WIDE_CONFIG if wide(n, torch.device("cuda")) else DOT_CONFIG), PROGRAMS_PER_SM)
+    return MM_WIDE_CONFIG if wide(n, torch.device("cuda")) else MM_CONFIG
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", default="1,4,16,32,64")
@@ -64,7 +74,8 @@ def main() -> None:
     args = parser.parse_args()
     bw, _ = measure_ceilings(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; few-rows kernel up to {FEW_ROWS} rows, "
-          f"configs {ROW_CONFIG} (one row), {DOT_CONFIG}")
+          f"configs {ROW_CONFIG} (one row), {DOT_CONFIG} ({DOT_WIDE_CONFIG} wide); fp8_mm {MM_CONFIG} "
+          f"({MM_WIDE_CONFIG} wide)")
     print(f"{'N x K':>12} {'M':>4} {'layer us':>9} {'floor us':>9} {'x floor':>8} {'few-rows':>9} {'_scaled_mm':>10} "
           f"{'bf16 us':>8}")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -105,12 +116,14 @@ def main() -> None:
     best: dict[int, dict[str, tuple]] = {}
     for m, by_config in swept.items():
         ranked = sorted((sum(times), cfg) for cfg, times in by_config.items() if len(times) == len(SHAPES))
-        in_use = ROW_CONFIG if m == 1 else (*DOT_CONFIG, PROGRAMS_PER_SM) if m <= FEW_ROWS else MM_CONFIG
+        in_use = [in_use_config(m, n) for n, _ in SHAPES]
         print(f"M={m}, us summed over the {len(SHAPES)} shapes, and each shape's: " + "  ".join(names))
         for i, (us, cfg) in enumerate(ranked):
-            if i < 8 or cfg == in_use:
+            if i < 8 or cfg in in_use:
                 print(f"    {str(cfg):<28} {us:7.1f}  " + "  ".join(f"{t:7.1f}" for t in by_config[cfg])
-                      + ("  (in use)" if cfg == in_use else ""))
+                      + ("  (in use)" if cfg in in_use else ""))
+        if all(cfg in by_config and len(by_config[cfg]) == len(SHAPES) for cfg in in_use):
+            print(f"    the configs in use, summed: {sum(by_config[c][j] for j, c in enumerate(in_use)):.1f}")
         best[m] = {}
         for j, name in enumerate(names):
             us, cfg = min((times[j], cfg) for cfg, times in by_config.items() if len(times) == len(SHAPES))

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from headrace.kernels import splitk
 from headrace.kernels.activation import silu_mul
-from headrace.kernels.device import pdl_args, prefetch_l2, wait_for_previous
+from headrace.kernels.device import num_sms, pdl_args, prefetch_l2, wait_for_previous
 from headrace.kernels.norm import add_and_normalize, cast_rtne
 from headrace.kernels.splitk import sum_splits
 
@@ -244,15 +244,28 @@ FEW_ROWS, _MAX_ROWS = 16, 64
 # shapes. One row: the fastest summed over the four on an H200, 65.9 us a layer
 # against 83.9 for (4, 1024, 4, 1), the H100's choice among 512- and 1024-wide
 # slices (each program's 8 KB of weights a slice in flight at once; the Qwen3-8B
-# FP8 step at batch 1 went from 3.35 to 2.93 ms). More rows: the H100's fastest.
-ROW_CONFIG, DOT_CONFIG = (4, 2048, 4, 1), (32, 256, 4, 3)
+# FP8 step at batch 1 went from 3.35 to 2.93 ms). More rows: the H100's fastest,
+# and on an H200 still the fastest at 8 and 16 rows but on a wide weight (below),
+# where 64-wide tiles 128 of K a slice at 4 stages took 29.5-29.7 us against 31.1-32.0
+# on gate|up in the sweep (the whole layer, timed on other machines: 31.4-31.6 against
+# 31.7-32.4).
+ROW_CONFIG, DOT_CONFIG, DOT_WIDE_CONFIG = (4, 2048, 4, 1), (32, 256, 4, 3), (64, 128, 4, 4)
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
+# A weight is wide when it has this many 64-wide output tiles an SM or more (Qwen3-8B's
+# gate|up: 384 on 132 SMs; its q|k|v, o and down 64 to 96): every SM has programs enough
+# without splitting K, and the wide configs' larger tiles pay there.
+WIDE_TILES_PER_SM = 2
+
+
+def wide(n: int, device: torch.device) -> bool:
+    """Whether an N-feature weight takes the wide configs (DOT_WIDE_CONFIG, MM_WIDE_CONFIG) on device."""
+    return triton.cdiv(n, 64) >= WIDE_TILES_PER_SM * num_sms(device)
 
 
 def few_rows_tiles(n: int) -> int:
     """Output tiles of the few-rows kernel or fp8_mm on N features, at most (their split-K counters)."""
-    return max(triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0])),
-               triton.cdiv(MM_ROWS, MM_CONFIG[0]) * triton.cdiv(n, MM_CONFIG[1]))
+    return max(triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0], DOT_WIDE_CONFIG[0])),
+               max(triton.cdiv(MM_ROWS, c[0]) * triton.cdiv(n, c[1]) for c in (MM_CONFIG, MM_WIDE_CONFIG)))
 
 
 def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -264,7 +277,8 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     n = weight.shape[0]
     if not 0 < m <= _MAX_ROWS:
         raise ValueError(f"fp8_few_rows takes 1 to {_MAX_ROWS} rows, got {m}")
-    block_n, block_k, warps, stages, *per_sm = config or (DOT_CONFIG if m > 1 else ROW_CONFIG)
+    block_n, block_k, warps, stages, *per_sm = config or (
+        ROW_CONFIG if m == 1 else DOT_WIDE_CONFIG if wide(n, x.device) else DOT_CONFIG)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
@@ -326,9 +340,14 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 # Up to MM_ROWS rows _fp8_mm_kernel, beyond them _scaled_mm. On an H100 (Qwen3-8B's
 # projections, benchmarks/RESULTS.md) at 17 to 128 rows the kernel took 0.67-0.99x
 # _scaled_mm's time (quantization included in both), at 256 rows up to 1.4x.
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs an SM): the sweep's best or
-# within 4% on each shape at 16 to 64 rows; K split until every SM has about that many programs.
-MM_ROWS, MM_CONFIG = 128, (64, 64, 128, 4, 5, 1)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs an SM), K split until every
+# SM has about that many programs. On a wide weight (gate|up) 4 stages rather than 5: on an
+# H200 at 24 to 64 rows 29.6-30.6 us against 33.6-35.5, within 0.3 us of the sweep's fastest
+# there. On the narrower three, 32-wide tiles over 256 of K were 0.7-2.8 us faster each, but
+# they leave K whole more often, and Hopper's tensor cores add E4M3 products at reduced
+# precision (12288 of K in one run came out 1.1% of the largest output off; benchmarks/
+# RESULTS.md), so these keep their K splits.
+MM_ROWS, MM_CONFIG, MM_WIDE_CONFIG = 128, (64, 64, 128, 4, 5, 1), (64, 64, 128, 4, 4, 1)
 # Bytes of each weight row a program asks L2 for before it waits for the kernel before: only under PDL
 # (Hopper and later, where cp.async.bulk.prefetch exists), the one case where that wait overlaps anything.
 MM_PREFETCH = 512
@@ -339,12 +358,12 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
            config: tuple | None = None) -> torch.Tensor:
     """x_q [M, K] E4M3 (rows contiguous) @ weight [N, K] E4M3^T, times x_scale [M, 1] and weight_scale [N, 1]
     (float32), + bias -> [M, N] out_dtype; on a GPU, M <= MM_ROWS. counts: split-K counters, zero between calls;
-    config: as MM_CONFIG (benchmarks compare others)."""
+    config: as MM_CONFIG (benchmarks compare others; MM_WIDE_CONFIG on a wide weight if none)."""
     m, k = x_q.shape
     n = weight.shape[0]
     if not 0 < m <= MM_ROWS:
         raise ValueError(f"fp8_mm takes 1 to {MM_ROWS} rows, got {m}")
-    block_m, block_n, block_k, warps, stages, per_sm = config or MM_CONFIG
+    block_m, block_n, block_k, warps, stages, per_sm = config or (MM_WIDE_CONFIG if wide(n, x_q.device) else MM_CONFIG)
     x_q = x_q.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)

@@ -306,11 +306,13 @@ def test_float32_beam_search_matches_transformers(arch, engine_kwargs, checkpoin
 
 @pytest.mark.parametrize("m, k, n, bias", [(1, 256, 512, False), (7, 1024, 768, True), (64, 4096, 4096, False),
                                            (300, 512, 1536, True), (1, 12288, 1000, False), (16, 8192, 640, True),
-                                           (17, 4096, 4096, False), (33, 1000, 130, True), (100, 12288, 512, False)])
+                                           (17, 4096, 4096, False), (33, 1000, 130, True), (100, 12288, 512, False),
+                                           (12, 1024, 40000, True), (48, 2048, 40000, False)])
 def test_fp8_linear_matches_its_reference(m, k, n, bias):
     """Up to FEW_ROWS rows the Triton kernel (activations not quantized), more
     fp8_mm or _scaled_mm with per-token and per-channel scales, each against
-    its arithmetic in float32: bf16 output rounding is the only difference."""
+    its arithmetic in float32: bf16 output rounding is the only difference. N = 40000 is a wide weight
+    on GPUs of up to 312 SMs (kernels/fp8.wide)."""
     from headrace.kernels.fp8 import FEW_ROWS, fp8_few_rows_ref, fp8_linear, fp8_linear_ref, quantize_rows
 
     g = torch.Generator(device="cuda").manual_seed(m * k + n)
@@ -324,11 +326,13 @@ def test_fp8_linear_matches_its_reference(m, k, n, bias):
     assert err < 1e-2, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("m, k, n", [(33, 4096, 4096), (64, 1000, 130), (100, 12288, 512), (128, 256, 6144)])
+@pytest.mark.parametrize("m, k, n", [(33, 4096, 4096), (64, 1000, 130), (100, 12288, 512), (128, 256, 6144),
+                                     (40, 1000, 40000)])
 def test_fp8_mm_matches_its_arithmetic(m, k, n, monkeypatch):
     """fp8_mm: the E4M3 products summed in float32 and scaled, against the same in torch; torch.empty
     returns NaN-filled memory, so an output or partial left unwritten shows, and the split-K counters
-    are back at zero after every call. K = 1000 leaves a partial slice; N = 130 a partial tile."""
+    are back at zero after every call. K = 1000 leaves a partial slice; N = 130 a partial tile; N =
+    40000 takes the wide config (on up to 312 SMs)."""
     from headrace.kernels.fp8 import fp8_mm, few_rows_tiles, quantize_rows
     from headrace.kernels.splitk import counters
 

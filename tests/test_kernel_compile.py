@@ -184,7 +184,8 @@ def test_projection_kernels_compile_for_hopper(launches):
     assert _compile(launches) == []
 
 
-def test_quantized_logprob_and_rotary_kernels_compile_for_hopper(launches):
+def test_quantized_logprob_and_rotary_kernels_compile_for_hopper(launches, monkeypatch):
+    from headrace.kernels import fp8
     from headrace.kernels.fp8 import few_rows_tiles, fp8_few_rows, fp8_mm, quantize_rows
     from headrace.kernels.gguf import gguf_linear
     from headrace.kernels.logprobs import top_logprobs
@@ -199,6 +200,9 @@ def test_quantized_logprob_and_rotary_kernels_compile_for_hopper(launches):
         fp8_few_rows(torch.zeros(rows, 256, dtype=torch.bfloat16), w, w_scale, None, counts)
     x_q, x_scale = quantize_rows(torch.zeros(32, 256))
     fp8_mm(x_q, x_scale, w, w_scale, torch.zeros(128, dtype=torch.bfloat16), torch.bfloat16, counts)
+    monkeypatch.setattr(fp8, "WIDE_TILES_PER_SM", 0.01)  # the wide configs, on the same small weight
+    fp8_few_rows(torch.zeros(4, 256, dtype=torch.bfloat16), w, w_scale, None, counts)
+    fp8_mm(x_q, x_scale, w, w_scale, None, torch.bfloat16, counts)
     for name in FORMATS:  # each GGUF block format, one row and a few
         _, p = _weight(name, 40, 512, seed=1)
         for rows in (1, 5):

@@ -381,14 +381,22 @@ def test_fp8_norm_and_activation_quantized_in_one_launch(rows, cols, dtype):
     _assert_same_fp8(q.cpu(), s.cpu(), *quantize_rows(silu_and_mul_ref(gate_up)))
 
 
-@pytest.mark.parametrize("m, k, n, bias", [(1, 128, 64, False), (1, 3000, 40, True), (3, 200, 96, True),
-                                           (16, 1024, 40, True), (7, 4096, 130, False), (24, 512, 72, False)])
-def test_fp8_few_rows_matches_reference(m, k, n, bias):
+@pytest.mark.parametrize("m, k, n, bias, wide", [
+    (1, 128, 64, False, False), (1, 3000, 40, True, False), (3, 200, 96, True, False), (3, 200, 96, True, True),
+    (16, 1024, 40, True, False), (16, 1024, 40, True, True), (7, 4096, 130, False, False),
+    (7, 4096, 130, False, True), (24, 512, 72, False, False), (24, 512, 72, False, True)])
+def test_fp8_few_rows_matches_reference(m, k, n, bias, wide, monkeypatch):
     """The few-rows FP8 kernel: x (not quantized) times the E4M3 weights and their scales, summed in
     float32. K = 3000 and 200 leave a partial slice of K; K = 3000, 1024, 4096 and 512 are split;
-    24 rows take the 32-row tiles."""
+    24 rows take the 32-row tiles. wide: the wide weight's config (DOT_WIDE_CONFIG), taken here by
+    small weights."""
+    from headrace.kernels import fp8
     from headrace.kernels.fp8 import fp8_few_rows, fp8_few_rows_ref, quantize_rows
     from headrace.kernels.splitk import counters
+
+    if wide:
+        monkeypatch.setattr(fp8, "WIDE_TILES_PER_SM", 0.001)
+    assert fp8.wide(n, torch.device(DEVICE)) == wide
 
     g = _gen(m, k, n)
     x = torch.randn(m, k, generator=g)
