@@ -245,9 +245,9 @@ FEW_ROWS, _MAX_ROWS = 16, 64
 # against 83.9 for (4, 1024, 4, 1), the H100's choice among 512- and 1024-wide
 # slices (each program's 8 KB of weights a slice in flight at once; the Qwen3-8B
 # FP8 step at batch 1 went from 3.35 to 2.93 ms). More rows: the H100's fastest,
-# and on an H200 still the fastest at 8 and 16 rows but on a wide weight (below),
-# where 64-wide tiles 128 of K a slice at 4 stages took 29.5-29.7 us against 31.1-32.0
-# on gate|up in the sweep (the whole layer, timed on other machines: 31.4-31.6 against
+# on an H200 still the fastest at 8 and 16 rows except on a wide weight (below):
+# there 64-wide tiles, 128 of K a slice, 4 stages took 29.5-29.7 us against 31.1-32.0
+# on gate|up in the sweep (the whole layer timed on two other H200s: 31.4-31.6 against
 # 31.7-32.4).
 ROW_CONFIG, DOT_CONFIG, DOT_WIDE_CONFIG = (4, 2048, 4, 1), (32, 256, 4, 3), (64, 128, 4, 4)
 PROGRAMS_PER_SM = 2  # the K splits aim for this many programs on each SM
