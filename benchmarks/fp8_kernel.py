@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
 from headrace.kernels.fp8 import (DOT_CONFIG, DOT_WIDE_CONFIG, FEW_ROWS, MM_CONFIG, MM_WIDE_CONFIG, PROGRAMS_PER_SM,
-                                  ROW_CONFIG, fp8_few_rows, fp8_linear, fp8_mm, quantize_rows, quantize_rows_triton,
-                                  wide)
+                                  ROW_CONFIG, few_rows_config, fp8_few_rows, fp8_linear, fp8_mm, mm_config,
+                                  quantize_rows, quantize_rows_triton)
 from headrace.kernels.splitk import counters
 
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]  # (N, K)
@@ -59,11 +59,10 @@ def sweep_configs(m: int):
 
 def in_use_config(m: int, n: int) -> tuple:
     """The config the launcher picks at m rows for an N-feature weight, as the sweep names it."""
+    cuda = torch.device("cuda")
     if m == 1:
         return ROW_CONFIG
-    if m <= FEW_ROWS:
-        return (*(DOT_WIDE_CONFIG if wide(n, torch.device("cuda")) else DOT_CONFIG), PROGRAMS_PER_SM)
-    return MM_WIDE_CONFIG if wide(n, torch.device("cuda")) else MM_CONFIG
+    return (*few_rows_config(m, n, cuda), PROGRAMS_PER_SM) if m <= FEW_ROWS else mm_config(n, cuda)
 
 
 def main() -> None:
@@ -72,6 +71,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--best-out", default="", help="with --sweep: write each shape's fastest config here")
     args = parser.parse_args()
+    if args.best_out and not args.sweep:
+        parser.error("--best-out writes the sweep's fastest configs: it needs --sweep")
     bw, _ = measure_ceilings(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; few-rows kernel up to {FEW_ROWS} rows, "
           f"configs {ROW_CONFIG} (one row), {DOT_CONFIG} ({DOT_WIDE_CONFIG} wide); fp8_mm {MM_CONFIG} "

@@ -352,6 +352,8 @@ def main() -> None:
     for given, known in ((args.parts, PARTS), (formats, FORMATS)):
         if set(given) - set(known):
             parser.error(f"unknown {sorted(set(given) - set(known))}; choose among {', '.join(known)}")
+    if (args.by_rows or args.kernels) and "community" not in args.parts:
+        parser.error("--by-rows and --kernels split the community part's runs: they need --parts community")
 
     from benchmarks_common import measure_ceilings, source_id
 

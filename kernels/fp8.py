@@ -262,6 +262,11 @@ def wide(n: int, device: torch.device) -> bool:
     return triton.cdiv(n, 64) >= WIDE_TILES_PER_SM * num_sms(device)
 
 
+def few_rows_config(m: int, n: int, device: torch.device) -> tuple:
+    """fp8_few_rows' config at m rows on an N-feature weight."""
+    return ROW_CONFIG if m == 1 else DOT_WIDE_CONFIG if wide(n, device) else DOT_CONFIG
+
+
 def few_rows_tiles(n: int) -> int:
     """Output tiles of the few-rows kernel or fp8_mm on N features, at most (their split-K counters)."""
     return max(triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0], DOT_WIDE_CONFIG[0])),
@@ -277,8 +282,7 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     n = weight.shape[0]
     if not 0 < m <= _MAX_ROWS:
         raise ValueError(f"fp8_few_rows takes 1 to {_MAX_ROWS} rows, got {m}")
-    block_n, block_k, warps, stages, *per_sm = config or (
-        ROW_CONFIG if m == 1 else DOT_WIDE_CONFIG if wide(n, x.device) else DOT_CONFIG)
+    block_n, block_k, warps, stages, *per_sm = config or few_rows_config(m, n, x.device)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, block_n)
@@ -353,17 +357,22 @@ MM_ROWS, MM_CONFIG, MM_WIDE_CONFIG = 128, (64, 64, 128, 4, 5, 1), (64, 64, 128, 
 MM_PREFETCH = 512
 
 
+def mm_config(n: int, device: torch.device) -> tuple:
+    """fp8_mm's config on an N-feature weight."""
+    return MM_WIDE_CONFIG if wide(n, device) else MM_CONFIG
+
+
 def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            bias: torch.Tensor | None, out_dtype: torch.dtype, counts: torch.Tensor | None = None,
            config: tuple | None = None) -> torch.Tensor:
     """x_q [M, K] E4M3 (rows contiguous) @ weight [N, K] E4M3^T, times x_scale [M, 1] and weight_scale [N, 1]
     (float32), + bias -> [M, N] out_dtype; on a GPU, M <= MM_ROWS. counts: split-K counters, zero between calls;
-    config: as MM_CONFIG (benchmarks compare others; MM_WIDE_CONFIG on a wide weight if none)."""
+    config: as MM_CONFIG (benchmarks compare others; mm_config's if none)."""
     m, k = x_q.shape
     n = weight.shape[0]
     if not 0 < m <= MM_ROWS:
         raise ValueError(f"fp8_mm takes 1 to {MM_ROWS} rows, got {m}")
-    block_m, block_n, block_k, warps, stages, per_sm = config or (MM_WIDE_CONFIG if wide(n, x_q.device) else MM_CONFIG)
+    block_m, block_n, block_k, warps, stages, per_sm = config or mm_config(n, x_q.device)
     x_q = x_q.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
