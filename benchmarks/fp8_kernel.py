@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
-from headrace.kernels.fp8 import (DOT_CONFIG, DOT_WIDE_CONFIG, FEW_ROWS, MM_CONFIG, MM_WIDE_CONFIG, PROGRAMS_PER_SM,
+from headrace.kernels.fp8 import (DOT_CONFIG, DOT_WIDE_CONFIG, FEW_ROWS, MM_CONFIG, MM_FEW_CONFIG, MM_WIDE_CONFIG,
+                                  PROGRAMS_PER_SM,
                                   ROW_CONFIG, few_rows_config, fp8_few_rows, fp8_linear, fp8_mm, mm_config,
                                   quantize_rows, quantize_rows_triton)
 from headrace.kernels.splitk import counters
@@ -54,7 +55,8 @@ def sweep_configs(m: int):
         return itertools.product((4, 8, 16, 32), (512, 1024, 2048), (4, 8), (1, 2, 3, 4))
     if m <= FEW_ROWS:
         return itertools.product((16, 32, 64), (128, 256, 512), (4,), (2, 3, 4), (1, 2, 3))
-    return itertools.product((64,), (32, 64, 128), (64, 128, 256), (4,), (2, 3, 4, 5), (1, 2))
+    block_m = (32, 64) if m <= 32 else (64,)
+    return itertools.product(block_m, (32, 64, 128), (64, 128, 256), (4,), (2, 3, 4, 5), (1, 2))
 
 
 def in_use_config(m: int, n: int) -> tuple:
@@ -62,7 +64,7 @@ def in_use_config(m: int, n: int) -> tuple:
     cuda = torch.device("cuda")
     if m == 1:
         return ROW_CONFIG
-    return (*few_rows_config(m, n, cuda), PROGRAMS_PER_SM) if m <= FEW_ROWS else mm_config(n, cuda)
+    return (*few_rows_config(m, n, cuda), PROGRAMS_PER_SM) if m <= FEW_ROWS else mm_config(m, n, cuda)
 
 
 def main() -> None:
@@ -76,7 +78,7 @@ def main() -> None:
     bw, _ = measure_ceilings(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; few-rows kernel up to {FEW_ROWS} rows, "
           f"configs {ROW_CONFIG} (one row), {DOT_CONFIG} ({DOT_WIDE_CONFIG} wide); fp8_mm {MM_CONFIG} "
-          f"({MM_WIDE_CONFIG} wide)")
+          f"({MM_WIDE_CONFIG} wide, {MM_FEW_CONFIG} up to {MM_FEW_CONFIG[0]} rows)")
     print(f"{'N x K':>12} {'M':>4} {'layer us':>9} {'floor us':>9} {'x floor':>8} {'few-rows':>9} {'_scaled_mm':>10} "
           f"{'bf16 us':>8}")
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -270,7 +270,7 @@ def few_rows_config(m: int, n: int, device: torch.device) -> tuple:
 def few_rows_tiles(n: int) -> int:
     """Output tiles of the few-rows kernel or fp8_mm on N features, at most (their split-K counters)."""
     return max(triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0], DOT_WIDE_CONFIG[0])),
-               max(triton.cdiv(MM_ROWS, c[0]) * triton.cdiv(n, c[1]) for c in (MM_CONFIG, MM_WIDE_CONFIG)))
+               max(triton.cdiv(MM_ROWS, c[0]) * triton.cdiv(n, c[1]) for c in (MM_CONFIG, MM_WIDE_CONFIG, MM_FEW_CONFIG)))
 
 
 def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -301,11 +301,14 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 # _scaled_mm), then E4M3 x E4M3 on the tensor cores with float32 sums, K split
 # so that small N still fills the GPU (where cuBLAS's FP8 GEMM runs a tile per
 # SM or fewer), and both scales applied to the sum. Program (n tile * m tiles +
-# m tile, split); kernels/splitk.py adds the splits.
+# m tile, split); kernels/splitk.py adds the splits. A tile of fewer than 64
+# tokens is multiplied as W x^T (SWAP), so the tokens are the MMA's N, which
+# Hopper's wgmma takes down to 8, where its M is 64.
 @triton.jit(do_not_specialize=["M"])
 def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, EXACT_K: tl.constexpr,
+                   SWAP: tl.constexpr, PDL: tl.constexpr):
     tile, split = tl.program_id(0), tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)  # an n tile's m tiles run side by side, sharing its weights in L2
     offs_m = (tile % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -320,14 +323,22 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
         prefetch_l2(w_ptr + offs_n.to(tl.int64) * K + k_start,
                     tl.where(mask_n, tl.minimum(k_end - k_start, PREFETCH), 0))
     wait_for_previous(PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         in_k = (k0 + offs_k < k_end)[None, :]
         x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k, other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=EXACT_K)  # [BLOCK_N, BLOCK_M]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=EXACT_K)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc)
     offs = offs_m[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     last = True
@@ -347,19 +358,28 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs an SM), K split until every
 # SM has about that many programs. On a wide weight (gate|up) 4 stages rather than 5: on an
 # H200 at 24 to 64 rows 29.6-30.6 us against 33.6-35.5, within 0.3 us of the sweep's fastest
-# there. On the narrower three, 32-wide tiles over 256 of K were 0.7-2.8 us faster each, but
-# they leave K whole more often, and Hopper's tensor cores add E4M3 products at reduced
-# precision (12288 of K in one run came out 1.1% of the largest output off; benchmarks/
-# RESULTS.md), so these keep their K splits.
+# there. With EXACT_K both were within 1.4 us of the sweep's fastest on each shape there.
+# Up to 32 rows, tiles of 32 tokens (SWAP) on every weight: on an H200 at 24 rows 68.9 us for
+# Qwen3-8B's four projections a layer against 76.6 with 64-token tiles (quantization not
+# counted; 28.7 against 34.0 on gate|up); in the community workload the steps of 9 to 32 rows
+# took 1.942-1.947 s against 1.975 (benchmarks/RESULTS.md).
 MM_ROWS, MM_CONFIG, MM_WIDE_CONFIG = 128, (64, 64, 128, 4, 5, 1), (64, 64, 128, 4, 4, 1)
+MM_FEW_CONFIG = (32, 64, 128, 4, 5, 1)
+# Hopper's tensor cores add E4M3 products in an accumulator of less than float32's precision:
+# with runs of up to 4096 of K in it, an H200's outputs on Qwen3-8B's shapes came out 0.05-0.5%
+# of the largest output off.
+# At most this many of K go into it before the sum is added to a float32 one (tl.dot's
+# max_num_imprecise_acc): then 0.011-0.018% off, as _scaled_mm without its fast accumulation
+# (the GEMM beyond MM_ROWS), for 0.5% more time in the community workload (benchmarks/RESULTS.md).
+EXACT_K = 128
 # Bytes of each weight row a program asks L2 for before it waits for the kernel before: only under PDL
 # (Hopper and later, where cp.async.bulk.prefetch exists), the one case where that wait overlaps anything.
 MM_PREFETCH = 512
 
 
-def mm_config(n: int, device: torch.device) -> tuple:
-    """fp8_mm's config on an N-feature weight."""
-    return MM_WIDE_CONFIG if wide(n, device) else MM_CONFIG
+def mm_config(m: int, n: int, device: torch.device) -> tuple:
+    """fp8_mm's config at m rows on an N-feature weight."""
+    return MM_FEW_CONFIG if m <= MM_FEW_CONFIG[0] else MM_WIDE_CONFIG if wide(n, device) else MM_CONFIG
 
 
 def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -372,7 +392,7 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     n = weight.shape[0]
     if not 0 < m <= MM_ROWS:
         raise ValueError(f"fp8_mm takes 1 to {MM_ROWS} rows, got {m}")
-    block_m, block_n, block_k, warps, stages, per_sm = config or mm_config(n, x_q.device)
+    block_m, block_n, block_k, warps, stages, per_sm = config or mm_config(m, n, x_q.device)
     x_q = x_q.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -381,7 +401,8 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     _fp8_mm_kernel[(tiles, splits)](
         x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, part, counts,
         m, n, k, k_per_split, HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=stages, num_warps=warps, num_stages=stages,
+        BLOCK_K=block_k, STAGES=stages, EXACT_K=min(block_k, EXACT_K), SWAP=block_m < 64, num_warps=warps,
+        num_stages=stages,
         PREFETCH=MM_PREFETCH if launch["PDL"] and k % 16 == 0 and weight.data_ptr() % 16 == 0 else 0, **launch)
     return out
 
