@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
 from headrace.kernels.fp8 import (DOT_CONFIG, DOT_WIDE_CONFIG, FEW_ROWS, MM_CONFIG, MM_FEW_CONFIG, MM_WIDE_CONFIG,
-                                  PROGRAMS_PER_SM,
-                                  ROW_CONFIG, few_rows_config, fp8_few_rows, fp8_linear, fp8_mm, mm_config,
-                                  quantize_rows, quantize_rows_triton)
+                                  PROGRAMS_PER_SM, ROW_CONFIG, few_rows_config, fp8_few_rows, fp8_linear, fp8_mm,
+                                  mm_config, quantize_rows, quantize_rows_triton)
 from headrace.kernels.splitk import counters
 
 SHAPES = [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]  # (N, K)

@@ -270,7 +270,8 @@ def few_rows_config(m: int, n: int, device: torch.device) -> tuple:
 def few_rows_tiles(n: int) -> int:
     """Output tiles of the few-rows kernel or fp8_mm on N features, at most (their split-K counters)."""
     return max(triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0], DOT_WIDE_CONFIG[0])),
-               max(triton.cdiv(MM_ROWS, c[0]) * triton.cdiv(n, c[1]) for c in (MM_CONFIG, MM_WIDE_CONFIG, MM_FEW_CONFIG)))
+               max(triton.cdiv(MM_ROWS, c[0]) * triton.cdiv(n, c[1])
+                   for c in (MM_CONFIG, MM_WIDE_CONFIG, MM_FEW_CONFIG)))
 
 
 def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,

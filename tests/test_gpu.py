@@ -332,9 +332,10 @@ def test_fp8_mm_matches_its_arithmetic(m, k, n, monkeypatch):
     """fp8_mm: the E4M3 products summed in float32 and scaled, against the same in torch; torch.empty
     returns NaN-filled memory, so an output or partial left unwritten shows, and the split-K counters
     are back at zero after every call. K = 1000 leaves a partial slice; N = 130 a partial tile; N =
-    40000 takes the wide config (on up to 312 SMs); 20 and 32 rows the 32-token tiles. In float32 out the sums stay within 5e-4 of the
-    largest output of float64's (Hopper's tensor cores add E4M3 products at reduced precision, 1e-3
-    to 5e-3 off over 4096 of K; _scaled_mm without its fast accumulation is about 1.5e-4 off)."""
+    40000 takes the wide config (on up to 312 SMs); 20 and 32 rows the 32-token tiles. In float32
+    out the sums stay within 5e-4 of the largest output of float64's (Hopper's tensor cores add E4M3
+    products at reduced precision, 1e-3 to 5e-3 off over 4096 of K; _scaled_mm without its fast
+    accumulation is about 1.5e-4 off)."""
     from headrace.kernels.fp8 import fp8_mm, few_rows_tiles, quantize_rows
     from headrace.kernels.splitk import counters
 
