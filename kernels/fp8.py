@@ -175,6 +175,13 @@ def fp8_few_rows_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
+def fp8_mm_ref(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x_q @ weight^T times both scales, + bias, in float64: fp8_mm's arithmetic without its rounding."""
+    y = (x_q.double() @ weight.double().t()) * x_scale.double() * weight_scale.double().t()
+    return y if bias is None else y + bias.double()
+
+
 # Triton, for few rows (decode), where cuBLAS's FP8 GEMM reads the weights well
 # below the memory's rate (benchmarks/fp8_kernel.py): the weights are read once
 # and widened, the activations are not quantized (so these rows are more exact

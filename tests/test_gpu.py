@@ -336,7 +336,7 @@ def test_fp8_mm_matches_its_arithmetic(m, k, n, monkeypatch):
     out the sums stay within 5e-4 of the largest output of float64's (Hopper's tensor cores add E4M3
     products at reduced precision, 1e-3 to 5e-3 off over 4096 of K; _scaled_mm without its fast
     accumulation is about 1.5e-4 off)."""
-    from headrace.kernels.fp8 import fp8_mm, few_rows_tiles, quantize_rows
+    from headrace.kernels.fp8 import fp8_mm, fp8_mm_ref, few_rows_tiles, quantize_rows
     from headrace.kernels.splitk import counters
 
     g = torch.Generator(device="cuda").manual_seed(m + k + n)
@@ -351,7 +351,7 @@ def test_fp8_mm_matches_its_arithmetic(m, k, n, monkeypatch):
         got = fp8_mm(x_q, x_scale, w, w_scale, b, torch.bfloat16, counts)
         torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3 * want.abs().max().item())
         assert not counts.any()
-    exact = (x_q.double() @ w.double().t()) * x_scale.double() * w_scale.double().t() + b.double()
+    exact = fp8_mm_ref(x_q, x_scale, w, w_scale, b)
     got = fp8_mm(x_q, x_scale, w, w_scale, b, torch.float32, counts).double()
     err = (got - exact).abs().max().item() / exact.abs().max().item()
     assert err < 5e-4, f"float32 sums {err:.2e} of the largest output off"
