@@ -34,13 +34,27 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _quantize_row(y, q_ptr, scale_ptr, row, offs, mask):
+def _to_e4m3(v, NATIVE: tl.constexpr):
+    """float32 v, |v| <= 448 -> E4M3, rounded to nearest even. NATIVE: the GPU's conversion; else in integer
+    arithmetic, for Triton's interpreter, whose conversion rounds some values wrongly (-1.9547 to -1.0)."""
+    if NATIVE:
+        return v.to(tl.float8e4nv)
+    bits = v.to(tl.int32, bitcast=True)
+    a = bits & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)  # exponent and 3 mantissa bits, rounded
+    subnormal = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # steps of 2^-9, rounded by the add
+    byte = tl.where(a < 0x3C800000, subnormal, normal) | ((bits >> 24) & 0x80)  # below 2^-6: subnormal
+    return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _quantize_row(y, q_ptr, scale_ptr, row, offs, mask, NATIVE: tl.constexpr):
     """A whole row y (float32, masked lanes 0) -> its scale at scale_ptr + row and its E4M3 values at
     q_ptr + offs, as quantize_rows makes them (an IEEE division, as torch's)."""
     scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
     tl.store(scale_ptr + row, scale)
     q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
-    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+    tl.store(q_ptr + offs, _to_e4m3(q, NATIVE), mask=mask)
 
 
 # Triton: one program per row; a first pass finds the row's largest
@@ -48,14 +62,14 @@ def _quantize_row(y, q_ptr, scale_ptr, row, offs, mask):
 # at most ONE_PASS columns is loaded once and kept in registers for both.
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLOCK: tl.constexpr,
-                          WHOLE: tl.constexpr, PDL: tl.constexpr):
+                          WHOLE: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     if WHOLE:  # the row in one block (BLOCK >= cols)
         offs = tl.arange(0, BLOCK)
         mask = offs < cols
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        _quantize_row(x, q_ptr, scale_ptr, row, row * stride_q + offs, mask)
+        _quantize_row(x, q_ptr, scale_ptr, row, row * stride_q + offs, mask, NATIVE)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, cols, BLOCK):
@@ -69,7 +83,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLO
             mask = offs < cols
             x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
             q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-            tl.store(q_ptr + row * stride_q + offs, q.to(tl.float8e4nv), mask=mask)
+            tl.store(q_ptr + row * stride_q + offs, _to_e4m3(q, NATIVE), mask=mask)
 
 
 ONE_PASS = 16384  # columns a program holds at once (16 float32 a thread at 32 warps)
@@ -93,7 +107,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         whole = cols <= ONE_PASS
         block = triton.next_power_of_2(cols) if whole else 4096
         _quantize_rows_kernel[(rows,)](x, q, scale, cols, x.stride(0), q.stride(0), BLOCK=block, WHOLE=whole,
-                                       num_warps=_row_warps(block), **pdl_args(x.device))
+                                       NATIVE=x.is_cuda, num_warps=_row_warps(block), **pdl_args(x.device))
     return q, scale
 
 
@@ -104,7 +118,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # quantize_rows does.
 @triton.jit
 def _make_and_quantize_kernel(x_ptr, stride_x, res_ptr, w_ptr, eps, q_ptr, scale_ptr, cols, NORM: tl.constexpr,
-                              HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                              HAS_RES: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -117,7 +131,7 @@ def _make_and_quantize_kernel(x_ptr, stride_x, res_ptr, w_ptr, eps, q_ptr, scale
     else:  # gated: x is gate, up follows it
         up = tl.load(x_ptr + row * stride_x + cols + offs, mask=mask, other=0.0).to(tl.float32)
         y = silu_mul(x.to(tl.float32), up, dtype).to(tl.float32)
-    _quantize_row(y, q_ptr, scale_ptr, row, row * cols + offs, mask)
+    _quantize_row(y, q_ptr, scale_ptr, row, row * cols + offs, mask, NATIVE)
 
 
 def _make_and_quantize(x: torch.Tensor, cols: int, norm: tuple[torch.Tensor, float] | None,
@@ -131,7 +145,7 @@ def _make_and_quantize(x: torch.Tensor, cols: int, norm: tuple[torch.Tensor, flo
         block = triton.next_power_of_2(cols)
         _make_and_quantize_kernel[(rows,)](
             x, x.stride(0), residual if residual is not None else x, norm[0] if norm else x, norm[1] if norm else 0.0,
-            q, scale, cols, NORM=norm is not None, HAS_RES=residual is not None, BLOCK=block,
+            q, scale, cols, NORM=norm is not None, HAS_RES=residual is not None, BLOCK=block, NATIVE=x.is_cuda,
             num_warps=_row_warps(block), **pdl_args(x.device))
     return q, scale
 
