@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from headrace.kernels import sampling  # noqa: E402
 from headrace.kernels.logprobs import (  # noqa: E402
     compute_scores, compute_scores_ref, fill_token_ids, fill_token_ids_ref, token_ranks, token_ranks_ref,
     top_logprobs, top_logprobs_ref,
@@ -217,8 +218,13 @@ def _near_ties(logits, seeds, positions, temperature=None) -> torch.Tensor:  # [
 
 
 @pytest.mark.parametrize("with_temperature", [False, True])
-@pytest.mark.parametrize("rows,vocab", SHAPES + [(300, 4099)])  # 300 rows: chunks of several blocks
-def test_gumbel_sample(rows, vocab, with_temperature, poisoned_empty):
+@pytest.mark.parametrize("rows,vocab,sms", [(r, v, 0) for r, v in SHAPES] + [(40, 4099, 8)])
+def test_gumbel_sample(rows, vocab, sms, with_temperature, poisoned_empty, monkeypatch):
+    """sms: the SMs the launcher plans for (0: the device's). At 40 rows on 8, a row's vocabulary splits into
+    two chunks of three 1024-wide blocks each."""
+    if sms:
+        monkeypatch.setattr(sampling, "num_sms", lambda device: sms)
+        assert sampling._gumbel_num_chunks(rows, vocab, torch.device(DEVICE)) == 2
     g = _gen(6, rows, vocab)
     logits = torch.randn(rows, vocab, generator=g) * 2
     logits[torch.rand(rows, vocab, generator=g) < 0.3] = float("-inf")  # banned tokens
