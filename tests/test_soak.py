@@ -6,6 +6,7 @@ and no process's resident memory grew 5% once the load settled."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,5 @@ def test_soak_loses_nothing_through_a_dead_api_server_and_a_dead_core():
     # both faults happened, and requests both succeeded and were refused with the core's restart
     assert "faults: api" in report and "core (pid" in report
     assert "ok " in report and "503 'the engine core" in report
+    p50, p99, top = map(float, re.search(r"ok request seconds: p50 (\S+) p99 (\S+) max (\S+)", report).groups())
+    assert p50 <= p99 <= top, report
