@@ -48,13 +48,18 @@ def _to_e4m3(v, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _scaled_e4m3(x, scale, NATIVE: tl.constexpr):
+    """float32 x / scale (an IEEE division, as torch's), clamped to +-448, in E4M3."""
+    return _to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0), NATIVE)
+
+
+@triton.jit
 def _quantize_row(y, q_ptr, scale_ptr, row, offs, mask, NATIVE: tl.constexpr):
     """A whole row y (float32, masked lanes 0) -> its scale at scale_ptr + row and its E4M3 values at
     q_ptr + offs, as quantize_rows makes them (an IEEE division, as torch's)."""
     scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
     tl.store(scale_ptr + row, scale)
-    q = tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0)
-    tl.store(q_ptr + offs, _to_e4m3(q, NATIVE), mask=mask)
+    tl.store(q_ptr + offs, _scaled_e4m3(y, scale, NATIVE), mask=mask)
 
 
 # Triton: one program per row; a first pass finds the row's largest
@@ -82,8 +87,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLO
             offs = start + tl.arange(0, BLOCK)
             mask = offs < cols
             x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-            tl.store(q_ptr + row * stride_q + offs, _to_e4m3(q, NATIVE), mask=mask)
+            tl.store(q_ptr + row * stride_q + offs, _scaled_e4m3(x, scale, NATIVE), mask=mask)
 
 
 ONE_PASS = 16384  # columns a program holds at once (16 float32 a thread at 32 warps)
