@@ -4,7 +4,7 @@ fp8_linear runs on a GPU that has FP8 tensor cores (compute capability 8.9
 and up): a few rows (decode) through a Triton kernel that widens the weights
 and leaves the activations unquantized, more rows quantized per token for a
 Triton E4M3 GEMM that splits K (fp8_mm, up to MM_ROWS rows) or, beyond,
-torch._scaled_mm. fp8_linear_ref does _scaled_mm's arithmetic by dequantizing
+torch._scaled_mm with its fast accumulation. fp8_linear_ref does _scaled_mm's arithmetic by dequantizing
 (the quantized values times their scales, in the input's dtype), which is
 what runs on the CPU and what the tests compare against; fp8_few_rows_ref is
 the few-rows kernel's.
@@ -395,9 +395,14 @@ MM_FEW_CONFIG = (32, 64, 128, 4, 5, 1)
 # with runs of up to 4096 of K in it, an H200's outputs on Qwen3-8B's shapes came out 0.05-0.5%
 # of the largest output off.
 # At most this many of K go into it before the sum is added to a float32 one (tl.dot's
-# max_num_imprecise_acc): then 0.011-0.018% off, as _scaled_mm without its fast accumulation
-# (the GEMM beyond MM_ROWS), for 0.5% more time in the community workload (benchmarks/RESULTS.md).
+# max_num_imprecise_acc): then 0.011-0.018% off, as _scaled_mm without its fast accumulation,
+# for 0.5% more time in the community workload (benchmarks/RESULTS.md).
 EXACT_K = 128
+# Beyond MM_ROWS the GEMM is bound by the tensor cores, and _scaled_mm runs with its fast accumulation
+# (the whole of K in that accumulator): on an H200 at 1,024 to 8,192 rows Qwen3-8B's four projections
+# took 1.08-1.12x less time, 0.25-0.62% of the largest output off against 0.015-0.022% without it
+# (about a bf16 output's own rounding, 2^-9 of each value), and the community workload's steps with a
+# prefill chunk 0.52 s against 0.56 (benchmarks/RESULTS.md).
 # Bytes of each weight row a program asks L2 for before it waits for the kernel before: only under PDL
 # (Hopper and later, where cp.async.bulk.prefetch exists), the one case where that wait overlaps anything.
 MM_PREFETCH = 512
@@ -437,12 +442,12 @@ def fp8_quantized_linear(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
                          bias: torch.Tensor | None, out_dtype: torch.dtype,
                          counts: torch.Tensor | None = None) -> torch.Tensor:
     """An FP8 layer on its input already quantized (x_q [M, K] E4M3, x_scale [M, 1] float32): fp8_mm up to
-    MM_ROWS rows, _scaled_mm beyond."""
+    MM_ROWS rows, _scaled_mm with its fast accumulation beyond."""
     if 0 < x_q.shape[0] <= MM_ROWS:
         return fp8_mm(x_q, x_scale, weight, weight_scale, bias, out_dtype, counts)
     # weight.t() is column-major, as _scaled_mm wants its second operand.
     return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(), bias=bias,
-                            out_dtype=out_dtype)
+                            out_dtype=out_dtype, use_fast_accum=True)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -307,12 +307,14 @@ def test_float32_beam_search_matches_transformers(arch, engine_kwargs, checkpoin
 @pytest.mark.parametrize("m, k, n, bias", [(1, 256, 512, False), (7, 1024, 768, True), (64, 4096, 4096, False),
                                            (300, 512, 1536, True), (1, 12288, 1000, False), (16, 8192, 640, True),
                                            (17, 4096, 4096, False), (33, 1000, 130, True), (100, 12288, 512, False),
-                                           (12, 1024, 40000, True), (48, 2048, 40000, False)])
+                                           (12, 1024, 40000, True), (48, 2048, 40000, False),
+                                           (200, 12288, 512, False)])
 def test_fp8_linear_matches_its_reference(m, k, n, bias):
     """Up to FEW_ROWS rows the Triton kernel (activations not quantized), more
     fp8_mm or _scaled_mm with per-token and per-channel scales, each against
-    its arithmetic in float32: bf16 output rounding is the only difference. N = 40000 is a wide weight
-    on GPUs of up to 312 SMs (kernels/fp8.wide)."""
+    its arithmetic in float32: bf16 output rounding and, beyond 128 rows, _scaled_mm's fast
+    accumulation (0.6% of the largest output at 12288 of K on an H200) are the differences. N = 40000
+    is a wide weight on GPUs of up to 312 SMs (kernels/fp8.wide)."""
     from headrace.kernels.fp8 import FEW_ROWS, fp8_few_rows_ref, fp8_linear, fp8_linear_ref, quantize_rows
 
     g = torch.Generator(device="cuda").manual_seed(m * k + n)
