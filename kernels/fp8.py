@@ -324,7 +324,7 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 
 # Triton, for FEW_ROWS + 1 to MM_ROWS rows: x quantized per token first (as for
-# _scaled_mm), then E4M3 x E4M3 on the tensor cores with float32 sums, K split
+# _scaled_mm), then E4M3 x E4M3 on the tensor cores (fast accumulation, below), K split
 # so that small N still fills the GPU (where cuBLAS's FP8 GEMM runs a tile per
 # SM or fewer), and both scales applied to the sum. Program (n tile * m tiles +
 # m tile, split); kernels/splitk.py adds the splits. A tile of fewer than 64
@@ -333,8 +333,8 @@ def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 @triton.jit(do_not_specialize=["M"])
 def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, EXACT_K: tl.constexpr,
-                   SWAP: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, SWAP: tl.constexpr,
+                   PDL: tl.constexpr):
     tile, split = tl.program_id(0), tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)  # an n tile's m tiles run side by side, sharing its weights in L2
     offs_m = (tile % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -358,9 +358,9 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
         x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k, other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k, other=0.0)
         if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=EXACT_K)  # [BLOCK_N, BLOCK_M]
+            acc = tl.dot(w, tl.trans(x), acc)  # [BLOCK_N, BLOCK_M]
         else:
-            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=EXACT_K)
+            acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SWAP:
@@ -384,25 +384,22 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs an SM), K split until every
 # SM has about that many programs. On a wide weight (gate|up) 4 stages rather than 5: on an
 # H200 at 24 to 64 rows 29.6-30.6 us against 33.6-35.5, within 0.3 us of the sweep's fastest
-# there. With EXACT_K both were within 1.4 us of the sweep's fastest on each shape there.
+# there. With the tensor cores' sums made float32 every 128 of K both were within 1.4 us of the
+# sweep's fastest on each shape there.
 # Up to 32 rows, tiles of 32 tokens (SWAP) on every weight: on an H200 at 24 rows 68.9 us for
 # Qwen3-8B's four projections a layer against 76.6 with 64-token tiles (quantization not
 # counted; 28.7 against 34.0 on gate|up); in the community workload the steps of 9 to 32 rows
 # took 1.942-1.947 s against 1.975 (benchmarks/RESULTS.md).
 MM_ROWS, MM_CONFIG, MM_WIDE_CONFIG = 128, (64, 64, 128, 4, 5, 1), (64, 64, 128, 4, 4, 1)
 MM_FEW_CONFIG = (32, 64, 128, 4, 5, 1)
-# Hopper's tensor cores add E4M3 products in an accumulator of less than float32's precision:
-# with runs of up to 4096 of K in it, an H200's outputs on Qwen3-8B's shapes came out 0.05-0.5%
-# of the largest output off.
-# At most this many of K go into it before the sum is added to a float32 one (tl.dot's
-# max_num_imprecise_acc): then 0.011-0.018% off, as _scaled_mm without its fast accumulation,
-# for 0.5% more time in the community workload (benchmarks/RESULTS.md).
-EXACT_K = 128
-# Beyond MM_ROWS the GEMM is bound by the tensor cores, and _scaled_mm runs with its fast accumulation
-# (the whole of K in that accumulator): on an H200 at 1,024 to 8,192 rows Qwen3-8B's four projections
-# took 1.08-1.12x less time, 0.25-0.62% of the largest output off against 0.015-0.022% without it
-# (about a bf16 output's own rounding, 2^-9 of each value), and the community workload's steps with a
-# prefill chunk 0.52 s against 0.56 (benchmarks/RESULTS.md).
+# Both FP8 GEMMs run with the tensor cores' fast accumulation: Hopper's tensor cores add E4M3
+# products in an accumulator of less than float32's precision, and the whole of a split's K goes
+# into it (as in the FP8 GEMMs of other serving engines). On an H200, on Qwen3-8B's shapes, that
+# is 0.05-0.8% of the largest output off, against 0.011-0.022% with the sums made float32 every
+# 128 of K (tl.dot's max_num_imprecise_acc, _scaled_mm without use_fast_accum): a few times a bf16
+# output's own rounding (2^-9 of a value), a tenth of E4M3's (2^-4). The exact sums cost 0.5% in
+# the community workload at 17 to 128 rows and, beyond them, 1.05-1.12x the GEMMs' time at 256 to
+# 8,192 rows (benchmarks/RESULTS.md).
 # Bytes of each weight row a program asks L2 for before it waits for the kernel before: only under PDL
 # (Hopper and later, where cp.async.bulk.prefetch exists), the one case where that wait overlaps anything.
 MM_PREFETCH = 512
@@ -432,7 +429,7 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     _fp8_mm_kernel[(tiles, splits)](
         x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, part, counts,
         m, n, k, k_per_split, HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=stages, EXACT_K=min(block_k, EXACT_K), SWAP=block_m < 64, num_warps=warps,
+        BLOCK_K=block_k, STAGES=stages, SWAP=block_m < 64, num_warps=warps,
         num_stages=stages,
         PREFETCH=MM_PREFETCH if launch["PDL"] and k % 16 == 0 and weight.data_ptr() % 16 == 0 else 0, **launch)
     return out

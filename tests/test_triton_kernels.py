@@ -400,8 +400,8 @@ def test_fp8_norm_and_activation_quantized_in_one_launch(rows, cols, dtype):
 def test_fp8_mm_matches_reference(m, k, n, bias):
     """fp8_mm: E4M3 x E4M3 summed in float32 and scaled, against the same values multiplied in float64.
     20 rows take the 32-token tiles, multiplied as W x^T; 40 rows the 64-token ones; K = 1000 leaves a
-    partial slice. On a GPU the tensor cores' sums, made float32 every 128 of K, are about 2e-4 of the
-    largest output off."""
+    partial slice. On a GPU the tensor cores add E4M3 products at reduced precision (kernels/fp8.py):
+    there 1% of the largest output is allowed."""
     from headrace.kernels.fp8 import fp8_mm, fp8_mm_ref, mm_config, quantize_rows
     from headrace.kernels.splitk import counters
 
@@ -413,7 +413,7 @@ def test_fp8_mm_matches_reference(m, k, n, bias):
     want = fp8_mm_ref(x_q, x_scale, w, w_scale, b)
     counts = counters(4 * n, DEVICE)
     args = [t.to(DEVICE) if t is not None else None for t in (x_q, x_scale, w, w_scale, b)]
-    tol = 5e-4 if DEVICE == "cuda" else 1e-5
+    tol = 1e-2 if DEVICE == "cuda" else 1e-5
     for _ in range(2):  # the counters are back at zero after each call
         got = fp8_mm(*args, torch.float32, counts).cpu().double()
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
