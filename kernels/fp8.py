@@ -4,10 +4,10 @@ fp8_linear runs on a GPU that has FP8 tensor cores (compute capability 8.9
 and up): a few rows (decode) through a Triton kernel that widens the weights
 and leaves the activations unquantized, more rows quantized per token for a
 Triton E4M3 GEMM that splits K (fp8_mm, up to MM_ROWS rows) or, beyond,
-torch._scaled_mm with its fast accumulation. fp8_linear_ref does _scaled_mm's arithmetic by dequantizing
-(the quantized values times their scales, in the input's dtype), which is
-what runs on the CPU and what the tests compare against; fp8_few_rows_ref is
-the few-rows kernel's.
+torch._scaled_mm; both add in the tensor cores' fast accumulation.
+fp8_linear_ref does their arithmetic by dequantizing (the quantized values
+times their scales, in the input's dtype), which is what runs on the CPU and
+what the tests compare against; fp8_few_rows_ref is the few-rows kernel's.
 """
 from __future__ import annotations
 

@@ -312,7 +312,7 @@ def test_float32_beam_search_matches_transformers(arch, engine_kwargs, checkpoin
 def test_fp8_linear_matches_its_reference(m, k, n, bias):
     """Up to FEW_ROWS rows the Triton kernel (activations not quantized), more
     fp8_mm or _scaled_mm with per-token and per-channel scales, each against
-    its arithmetic in float32: bf16 output rounding and, beyond 128 rows, _scaled_mm's fast
+    its arithmetic in float32: bf16 output rounding and, from 17 rows, the tensor cores' fast
     accumulation (0.6% of the largest output at 12288 of K on an H200) are the differences. N = 40000
     is a wide weight on GPUs of up to 312 SMs (kernels/fp8.wide)."""
     from headrace.kernels.fp8 import FEW_ROWS, fp8_few_rows_ref, fp8_linear, fp8_linear_ref, quantize_rows
