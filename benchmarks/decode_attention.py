@@ -2,6 +2,7 @@
 
     python3 benchmarks/decode_attention.py [--batches 1,4,16,64] [--contexts 256,1024,4096] [--splits 1,2,...]
         [--ids-ahead auto|on|off] [--lengths uniform|mixed] [--heads 32,8] [--configs W,S,N;...]
+        [--layout nhd|hnd]
 
 Qwen3-8B's attention shape by default (32 query heads, 8 KV heads; --heads 16,8 is
 Qwen3-0.6B's), head_dim 128, bf16 cache, 16-token blocks. With --lengths uniform each request has `context` tokens in
@@ -16,7 +17,10 @@ requests taken longest first (the order the engine passes). --ids-ahead forces
 one way of reading block ids (kernels/attention.py's _attend_keys); auto leaves
 the choice to the kernel. --configs adds columns: the kernel at the split count it
 picks, requests longest first, under those (warps, stages, BLOCK_N) launches
-rather than attention.decode_config's.
+rather than attention.decode_config's. --layout hnd holds each block's KV heads one
+after another (a head's 16 keys in 4 KiB together) rather than the engine's
+tokens one after another (a key's 8 heads together), and hands the kernels the
+same [2, blocks, block, KV heads, head_dim] view of it, with other strides.
 """
 from __future__ import annotations
 
@@ -37,13 +41,15 @@ def lengths(batch: int, context: int, mixed: bool, gen: torch.Generator) -> torc
     return torch.full((batch,), context, dtype=torch.int32)
 
 
-def caches(lens: torch.Tensor, count: int, gen: torch.Generator, heads: int, kv_heads: int):
+def caches(lens: torch.Tensor, count: int, gen: torch.Generator, heads: int, kv_heads: int, hnd: bool = False):
     """count (q, kv_cache, query_start_loc, seq_lens, block_tables) for requests of these lengths, blocks in a
-    shuffled order."""
+    shuffled order; with hnd the cache's memory holds a block's heads one after another."""
     batch, blocks_per_req = len(lens), -(-int(lens.max()) // BLOCK)
     out = []
     for _ in range(count):
         kv = torch.randn(2, batch * blocks_per_req, BLOCK, kv_heads, HEAD_DIM, generator=gen).bfloat16().cuda()
+        if hnd:
+            kv = kv.transpose(2, 3).contiguous().transpose(2, 3)  # the same values, heads outermost in a block
         tables = torch.randperm(batch * blocks_per_req, generator=gen).reshape(batch, blocks_per_req)
         q = torch.randn(batch, heads, HEAD_DIM, generator=gen).bfloat16().cuda()
         qsl = torch.arange(batch + 1, dtype=torch.int32).cuda()
@@ -60,13 +66,15 @@ def main() -> None:
     parser.add_argument("--lengths", choices=("uniform", "mixed"), default="uniform")
     parser.add_argument("--heads", default="32,8", help="query heads,KV heads")
     parser.add_argument("--configs", default="", help="WARPS,STAGES,BLOCK_N[;...]: decode launches to add")
+    parser.add_argument("--layout", choices=("nhd", "hnd"), default="nhd",
+                        help="the cache's memory order within a block: tokens outermost (the engine's) or heads")
     args = parser.parse_args()
     heads, kv_heads, configs = heads_and_configs(parser, args.heads, args.configs, "WARPS,STAGES,BLOCK_N")
     ahead = {"auto": None, "on": True, "off": False}[args.ids_ahead]
     bw, _ = measure_ceilings(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, block ids ahead: {args.ids_ahead}, "
-          f"lengths: {args.lengths}")
+          f"lengths: {args.lengths}, layout: {args.layout}")
     splits = list(map(int, args.splits.split(",")))
     print(f"{'batch':>5} {'context':>7} {'floor us':>8} {'auto':>9} {'longest':>7} "
           + " ".join(f"{s:>7}" for s in splits) + "".join(f" {'/'.join(map(str, c)):>9}" for c in configs))
@@ -74,7 +82,7 @@ def main() -> None:
         for context in map(int, args.contexts.split(",")):
             lens = lengths(batch, context, args.lengths == "mixed", gen)
             kv_bytes = 2 * int(lens.sum()) * kv_heads * HEAD_DIM * 2
-            sets = caches(lens, max(2, -(-4 * L2_BYTES // kv_bytes)), gen, heads, kv_heads)
+            sets = caches(lens, max(2, -(-4 * L2_BYTES // kv_bytes)), gen, heads, kv_heads, args.layout == "hnd")
             bound = int(lens.max()) + 128
             longest = torch.argsort(lens, descending=True, stable=True).to(torch.int32).cuda()
 

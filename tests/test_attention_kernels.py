@@ -143,6 +143,19 @@ def test_paged_attention_decode(poisoned, block_size, heads, head_dim, dtype):
         torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype), msg=lambda m: f"{kw}: {m}")
 
 
+def test_paged_attention_reads_a_cache_by_its_strides(poisoned):
+    """The kernels address the cache by its strides alone: the same values held with each block's KV heads
+    outermost (benchmarks/decode_attention.py --layout hnd) give the same output, through the decode
+    kernel (one and three splits) and the general one."""
+    q, kv_cache, qsl, seq_lens, block_tables, _ = _batch(MIXED, 16, 4, 2, 64, torch.float32, seed=5)
+    hnd = kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
+    assert torch.equal(hnd, kv_cache) and hnd.stride(3) == 16 * 64
+    ref = paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, 0.125)
+    for kw in [{}, dict(num_splits=3), dict(use_decode_kernel=False)]:
+        out = _run(q, hnd, qsl, seq_lens, block_tables, 0.125, max(n for _, n in MIXED), max(seq_lens), **kw)
+        torch.testing.assert_close(out.float(), ref.float(), **_tol(torch.float32), msg=lambda m: f"{kw}: {m}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_wide_heads_big_blocks(poisoned, dtype):
     """head_dim 256 (the narrower key tile) and 128-token blocks, both paths."""
