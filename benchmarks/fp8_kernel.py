@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from benchmarks_common import graph_call_us, measure_ceilings
 
-from headrace.kernels.fp8 import (DOT_CONFIG, DOT_WIDE_CONFIG, FEW_ROWS, MM_CONFIG, MM_FEW_CONFIG, MM_WIDE_CONFIG,
+from headrace.kernels.fp8 import (DOT_CONFIG, DOT_WIDE_CONFIG, FEW_ROWS, MM_CONFIGS,
                                   PROGRAMS_PER_SM, ROW_CONFIG, few_rows_config, fp8_few_rows, fp8_linear, fp8_mm,
                                   mm_config, quantize_rows, quantize_rows_triton)
 from headrace.kernels.splitk import counters
@@ -76,8 +76,8 @@ def main() -> None:
         parser.error("--best-out writes the sweep's fastest configs: it needs --sweep")
     bw, _ = measure_ceilings(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; few-rows kernel up to {FEW_ROWS} rows, "
-          f"configs {ROW_CONFIG} (one row), {DOT_CONFIG} ({DOT_WIDE_CONFIG} wide); fp8_mm {MM_CONFIG} "
-          f"({MM_WIDE_CONFIG} wide, {MM_FEW_CONFIG} up to {MM_FEW_CONFIG[0]} rows)")
+          f"configs {ROW_CONFIG} (one row), {DOT_CONFIG} ({DOT_WIDE_CONFIG} wide); fp8_mm (up to rows, narrow, wide) "
+          f"{MM_CONFIGS}")
     print(f"{'N x K':>12} {'M':>4} {'layer us':>9} {'floor us':>9} {'x floor':>8} {'few-rows':>9} {'_scaled_mm':>10} "
           f"{'bf16 us':>8}")
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -283,7 +283,7 @@ WIDE_TILES_PER_SM = 2
 
 
 def wide(n: int, device: torch.device) -> bool:
-    """Whether an N-feature weight takes the wide configs (DOT_WIDE_CONFIG, MM_WIDE_CONFIG) on device."""
+    """Whether an N-feature weight takes the wide configs (DOT_WIDE_CONFIG, MM_CONFIGS' wide ones) on device."""
     return triton.cdiv(n, 64) >= WIDE_TILES_PER_SM * num_sms(device)
 
 
@@ -296,7 +296,7 @@ def few_rows_tiles(n: int) -> int:
     """Output tiles of the few-rows kernel or fp8_mm on N features, at most (their split-K counters)."""
     return max(triton.cdiv(n, min(ROW_CONFIG[0], DOT_CONFIG[0], DOT_WIDE_CONFIG[0])),
                max(triton.cdiv(MM_ROWS, c[0]) * triton.cdiv(n, c[1])
-                   for c in (MM_CONFIG, MM_WIDE_CONFIG, MM_FEW_CONFIG)))
+                   for _, *configs in MM_CONFIGS for c in configs))
 
 
 def fp8_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -382,16 +382,22 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 # projections, benchmarks/RESULTS.md) at 17 to 128 rows the kernel took 0.67-0.99x
 # _scaled_mm's time (quantization included in both), at 256 rows up to 1.4x.
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs an SM), K split until every
-# SM has about that many programs. On a wide weight (gate|up) 4 stages rather than 5: on an
-# H200 at 24 to 64 rows 29.6-30.6 us against 33.6-35.5, within 0.3 us of the sweep's fastest
-# there. With the tensor cores' sums made float32 every 128 of K both were within 1.4 us of the
-# sweep's fastest on each shape there.
-# Up to 32 rows, tiles of 32 tokens (SWAP) on every weight: on an H200 at 24 rows 68.9 us for
-# Qwen3-8B's four projections a layer against 76.6 with 64-token tiles (quantization not
-# counted; 28.7 against 34.0 on gate|up); in the community workload the steps of 9 to 32 rows
-# took 1.942-1.947 s against 1.975 (benchmarks/RESULTS.md).
-MM_ROWS, MM_CONFIG, MM_WIDE_CONFIG = 128, (64, 64, 128, 4, 5, 1), (64, 64, 128, 4, 4, 1)
-MM_FEW_CONFIG = (32, 64, 128, 4, 5, 1)
+# SM has about that many programs. MM_CONFIGS holds (up to this many rows, the config on a
+# narrow weight, the config on a wide one), from a sweep on an H200 under fast accumulation
+# (Qwen3-8B's four projections, quantization not counted; benchmarks/RESULTS.md, 2026-11-29):
+# - up to 32 rows, tiles of 32 tokens (SWAP) on every weight, 256 of K a slice, 3 stages: at
+#   20, 28 and 32 rows as fast as or faster than 128 of K in 5 stages on each of the four
+#   shapes (70.6 us a layer against 71.6 at 28 rows);
+# - at 33 to 64 rows (one 64-token tile), 32-wide tiles with 256 of K on a narrow weight (o,
+#   q|k|v, down: 70.9 us a layer against 77.2 at 64 rows); 64-wide, 128 of K, 4 stages on a wide
+#   one (gate|up), where no other config was faster;
+# - at 65 to 128 rows (two 64-token tiles, so twice the programs) the 32-wide tiles need a second
+#   wave on q|k|v (20.4 us against 13.3 at 80 rows): 64-wide, 5 stages on a narrow weight, and
+#   128-wide, 3 stages on a wide one (gate|up 35.6-36.5 us against 41.0-41.9).
+MM_ROWS = 128
+MM_CONFIGS = ((32, (32, 64, 256, 4, 3, 1), (32, 64, 256, 4, 3, 1)),
+              (64, (64, 32, 256, 4, 4, 1), (64, 64, 128, 4, 4, 1)),
+              (MM_ROWS, (64, 64, 128, 4, 5, 1), (64, 128, 128, 4, 3, 1)))
 # Both FP8 GEMMs run with the tensor cores' fast accumulation: Hopper's tensor cores add E4M3
 # products in an accumulator of less than float32's precision, and the whole of a split's K goes
 # into it (as in the FP8 GEMMs of other serving engines). On an H200, on Qwen3-8B's shapes, that
@@ -406,8 +412,9 @@ MM_PREFETCH = 512
 
 
 def mm_config(m: int, n: int, device: torch.device) -> tuple:
-    """fp8_mm's config at m rows on an N-feature weight."""
-    return MM_FEW_CONFIG if m <= MM_FEW_CONFIG[0] else MM_WIDE_CONFIG if wide(n, device) else MM_CONFIG
+    """fp8_mm's config at m (1 to MM_ROWS) rows on an N-feature weight."""
+    narrow, wide_config = next(configs for rows, *configs in MM_CONFIGS if m <= rows)
+    return wide_config if wide(n, device) else narrow
 
 
 def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -415,7 +422,7 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
            config: tuple | None = None) -> torch.Tensor:
     """x_q [M, K] E4M3 (rows contiguous) @ weight [N, K] E4M3^T, times x_scale [M, 1] and weight_scale [N, 1]
     (float32), + bias -> [M, N] out_dtype; on a GPU, M <= MM_ROWS. counts: split-K counters, zero between calls;
-    config: as MM_CONFIG (benchmarks compare others; mm_config's if none)."""
+    config: as MM_CONFIGS' (benchmarks compare others; mm_config's if none)."""
     m, k = x_q.shape
     n = weight.shape[0]
     if not 0 < m <= MM_ROWS:

@@ -198,12 +198,14 @@ def test_quantized_logprob_and_rotary_kernels_compile_for_hopper(launches, monke
     counts = counters(few_rows_tiles(128), cpu)
     for rows in (1, 4):  # the FP8 weights widened: FMAs for one row, tl.dot for a few
         fp8_few_rows(torch.zeros(rows, 256, dtype=torch.bfloat16), w, w_scale, None, counts)
-    x_q, x_scale = quantize_rows(torch.zeros(40, 256))
+    x_q, x_scale = quantize_rows(torch.zeros(80, 256))
     fp8_mm(x_q, x_scale, w, w_scale, torch.zeros(128, dtype=torch.bfloat16), torch.bfloat16, counts)
-    fp8_mm(x_q[:24], x_scale[:24], w, w_scale, None, torch.bfloat16, counts)  # 32-token tiles, as W x^T
+    for rows in (40, 24):  # each band of fp8.MM_CONFIGS; 24 rows in 32-token tiles, as W x^T
+        fp8_mm(x_q[:rows], x_scale[:rows], w, w_scale, None, torch.bfloat16, counts)
     monkeypatch.setattr(fp8, "WIDE_TILES_PER_SM", 0.01)  # the wide configs, on the same small weight
     fp8_few_rows(torch.zeros(4, 256, dtype=torch.bfloat16), w, w_scale, None, counts)
-    fp8_mm(x_q, x_scale, w, w_scale, None, torch.bfloat16, counts)
+    for rows in (80, 40):
+        fp8_mm(x_q[:rows], x_scale[:rows], w, w_scale, None, torch.bfloat16, counts)
     for name in FORMATS:  # each GGUF block format, one row and a few
         _, p = _weight(name, 40, 512, seed=1)
         for rows in (1, 5):
