@@ -25,6 +25,7 @@ from headrace.kernels.splitk import sum_splits
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or channel keeps a finite scale
+_FP8_MAX_C, _MIN_SCALE_C = tl.constexpr(FP8_MAX), tl.constexpr(_MIN_SCALE)  # the same, for the kernels
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,14 +51,14 @@ def _to_e4m3(v, NATIVE: tl.constexpr):
 @triton.jit
 def _scaled_e4m3(x, scale, NATIVE: tl.constexpr):
     """float32 x / scale (an IEEE division, as torch's), clamped to +-448, in E4M3."""
-    return _to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0), NATIVE)
+    return _to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -_FP8_MAX_C, _FP8_MAX_C), NATIVE)
 
 
 @triton.jit
 def _quantize_row(y, q_ptr, scale_ptr, row, offs, mask, NATIVE: tl.constexpr):
     """A whole row y (float32, masked lanes 0) -> its scale at scale_ptr + row and its E4M3 values at
     q_ptr + offs, as quantize_rows makes them (an IEEE division, as torch's)."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / _FP8_MAX_C, _MIN_SCALE_C)
     tl.store(scale_ptr + row, scale)
     tl.store(q_ptr + offs, _scaled_e4m3(y, scale, NATIVE), mask=mask)
 
@@ -81,7 +82,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, cols, stride_x, stride_q, BLO
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * stride_x + offs, mask=offs < cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        scale = tl.maximum(tl.max(amax, axis=0) / _FP8_MAX_C, _MIN_SCALE_C)
         tl.store(scale_ptr + row, scale)
         for start in range(0, cols, BLOCK):
             offs = start + tl.arange(0, BLOCK)
