@@ -386,16 +386,17 @@ def _fp8_mm_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 # SM has about that many programs. MM_CONFIGS holds (up to this many rows, the config on a
 # narrow weight, the config on a wide one), from a sweep on an H200 under fast accumulation
 # (Qwen3-8B's four projections, quantization not counted; benchmarks/RESULTS.md, 2026-11-29):
-# - up to 32 rows, tiles of 32 tokens (SWAP) on every weight, 256 of K a slice, 3 stages: at
-#   20, 28 and 32 rows as fast as or faster than 128 of K in 5 stages on each of the four
-#   shapes (70.6 us a layer against 71.6 at 28 rows);
+# - up to 32 rows, tiles of 32 tokens (SWAP) on every weight (at 24 rows 68.9 us a layer against
+#   76.6 with 64-token tiles, in an earlier sweep), 256 of K a slice, 3 stages: at 20, 28 and 32
+#   rows as fast as or faster than 128 of K in 5 stages on each of the four shapes (70.6 us a
+#   layer against 71.6 at 28 rows);
 # - at 33 to 64 rows (one 64-token tile), 32-wide tiles with 256 of K on a narrow weight (o,
 #   q|k|v, down: 70.9 us a layer against 77.2 at 64 rows); 64-wide, 128 of K, 4 stages on a wide
 #   one (gate|up), where no other config was faster;
 # - at 65 to 128 rows (two 64-token tiles, so twice the programs) the 32-wide tiles need a second
 #   wave on q|k|v (20.4 us against 13.3 at 80 rows): 64-wide, 5 stages on a narrow weight, and
-#   128-wide, 3 stages on a wide one (gate|up 35.6-36.5 us against 41.0-41.9).
-# In the community workload that is less: 6,642-6,655 tok/s against 6,619-6,624 with the configs
+#   128-wide, 3 stages on a wide one (gate|up 35.4-36.5 us against 40.9-42.0).
+# The community workload gains less: 6,642-6,655 tok/s against 6,619-6,624 with the configs
 # before (the steps of 9 to 128 rows 0.3-1% faster).
 MM_ROWS = 128
 MM_CONFIGS = ((32, (32, 64, 256, 4, 3, 1), (32, 64, 256, 4, 3, 1)),
