@@ -36,16 +36,23 @@ torch.set_num_threads(2)
 
 # Under pytest-xdist (./run.sh test, which keeps this order with --no-loadscope-reorder) each worker takes
 # whole files in turn. The slowest go first, longest first (as timed on a 2-core CPU machine), so that the two
-# workers finish close together; the soak test goes last: it checks that no process's memory grows once its
-# load has settled, and beside the interpreted kernel tests on two cores its restarted core came back so late
-# that its warm-up fell inside that window.
+# workers finish close together. The soak test checks that no process's memory grows once its load has
+# settled; beside the interpreted kernel tests on two cores its restarted core came back so late that its
+# warm-up fell inside that window. So it starts after every kernel test, with only _TAIL left for the other
+# worker: files that run no Triton kernel and, together, take about as long as the soak (3 minutes), so that
+# the two workers still finish together.
 _FIRST = ("test_attention_kernels.py", "test_gguf.py", "test_triton_kernels.py", "test_frontend_load.py",
           "test_http_serve.py", "test_int4_kernels.py", "test_dense_kernel.py")
-_LAST = "test_soak.py"
+_SOAK = "test_soak.py"
+_TAIL = ("test_tokenizer.py", "test_generate.py", "test_layers.py", "test_http_api.py", "test_router.py",
+         "test_metrics.py", "test_checkpoint_factory.py", "test_parallel_and_processors.py",
+         "test_http_vllm_fields.py", "test_shutdown.py", "test_sampling_params.py", "test_overlap.py",
+         "test_detokenizer.py", "test_step_brackets.py")
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(_FIRST)} | {_LAST: len(_FIRST) + 1}
+    rank = {name: i for i, name in enumerate(_FIRST)} | {_SOAK: len(_FIRST) + 1}
+    rank |= {name: len(_FIRST) + 2 + i for i, name in enumerate(_TAIL)}
     items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))  # stable: the rest keep their order
 
 
