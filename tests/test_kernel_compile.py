@@ -30,8 +30,9 @@ from triton.compiler import ASTSource, compile
 failed = []
 for k in json.load(sys.stdin):
     fn = getattr(importlib.import_module(k["module"]), k["name"])
+    attrs = {(i,): [["tt.divisibility", 16]] for i in k["aligned"]}
     try:
-        compile(ASTSource(fn=fn, signature=k["signature"], constexprs=k["constexprs"]),
+        compile(ASTSource(fn=fn, signature=k["signature"], constexprs=k["constexprs"], attrs=attrs),
                 target=GPUTarget("cuda", 90, 32), options=k["options"])
     except Exception as e:
         failed.append(f"{k['name']} {k['constexprs']}: {type(e).__name__}: {e}")
@@ -41,8 +42,10 @@ print(json.dumps(failed))
 
 def _describe(fn, args: tuple, kwargs: dict, unspecialized=()) -> dict:
     """A launch as the compiler takes it: each argument's type, the constexprs' values (the GPU's where
-    GPU_CONSTEXPRS names them) and the compile options. An integer argument equal to 1 is a constexpr, as
-    Triton's launcher makes it, unless the kernel's do_not_specialize (unspecialized) names it."""
+    GPU_CONSTEXPRS names them), the compile options, and the arguments Triton's launcher marks as multiples
+    of 16 (a tensor whose address is, an integer that is), which the compiler vectorises by. An integer
+    argument equal to 1 is a constexpr, as the launcher makes it; do_not_specialize (unspecialized) exempts
+    an integer from both."""
     params = inspect.signature(fn).parameters
     names = list(params)
     unspecialized = {names[u] if isinstance(u, int) else u for u in unspecialized}
@@ -51,13 +54,15 @@ def _describe(fn, args: tuple, kwargs: dict, unspecialized=()) -> dict:
         options["launch_pdl"] = True
     bound = inspect.Signature(params.values()).bind(*args, **kwargs)
     bound.apply_defaults()
-    signature, constexprs = {}, {}
-    for name, value in bound.arguments.items():
+    signature, constexprs, aligned = {}, {}, []
+    for i, (name, value) in enumerate(bound.arguments.items()):
         if "constexpr" in str(params[name].annotation) or value is None:
             signature[name] = "constexpr"
             constexprs[name] = GPU_CONSTEXPRS.get(name, value)
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + _TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                aligned.append(i)
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int) and value == 1 and name not in unspecialized:
@@ -65,12 +70,14 @@ def _describe(fn, args: tuple, kwargs: dict, unspecialized=()) -> dict:
             constexprs[name] = 1
         elif isinstance(value, int):
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0 and name not in unspecialized:
+                aligned.append(i)
         elif isinstance(value, float):
             signature[name] = "fp32"
         else:
             raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
     return dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=constexprs,
-                options=options)
+                options=options, aligned=aligned)
 
 
 @pytest.fixture
