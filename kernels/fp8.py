@@ -417,6 +417,8 @@ MM_PREFETCH = 512
 
 def mm_config(m: int, n: int, device: torch.device) -> tuple:
     """fp8_mm's config at m (1 to MM_ROWS) rows on an N-feature weight."""
+    if not 0 < m <= MM_ROWS:
+        raise ValueError(f"fp8_mm's configs cover 1 to {MM_ROWS} rows, got {m}")
     narrow, wide_config = next(configs for rows, *configs in MM_CONFIGS if m <= rows)
     return wide_config if wide(n, device) else narrow
 
