@@ -442,8 +442,7 @@ def fp8_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
     _fp8_mm_kernel[(tiles, splits)](
         x_q, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, part, counts,
         m, n, k, k_per_split, HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, STAGES=stages, SWAP=block_m < 64, num_warps=warps,
-        num_stages=stages,
+        BLOCK_K=block_k, STAGES=stages, SWAP=block_m < 64, num_warps=warps, num_stages=stages,
         PREFETCH=MM_PREFETCH if launch["PDL"] and k % 16 == 0 and weight.data_ptr() % 16 == 0 else 0, **launch)
     return out
 
