@@ -331,7 +331,7 @@ def test_fp8_linear_matches_its_reference(m, k, n, bias):
 @pytest.mark.parametrize("m, k, n", [(33, 4096, 4096), (64, 1000, 130), (100, 12288, 512), (128, 256, 6144),
                                      (40, 1000, 40000), (20, 1000, 130), (32, 4096, 24576)])
 def test_fp8_mm_matches_its_arithmetic(m, k, n, monkeypatch):
-    """fp8_mm: the E4M3 products summed in float32 and scaled, against the same in torch; torch.empty
+    """fp8_mm: the E4M3 products summed and scaled, against the same in torch (float64); torch.empty
     returns NaN-filled memory, so an output or partial left unwritten shows, and the split-K counters
     are back at zero after every call. K = 1000 leaves a partial slice; N = 130 a partial tile; N =
     40000 takes the wide config (on up to 312 SMs); 20 and 32 rows the 32-token tiles. Hopper's tensor

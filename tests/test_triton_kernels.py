@@ -398,7 +398,7 @@ def test_fp8_norm_and_activation_quantized_in_one_launch(rows, cols, dtype):
 
 @pytest.mark.parametrize("m, k, n, bias", [(20, 1000, 130, True), (40, 512, 72, False)])
 def test_fp8_mm_matches_reference(m, k, n, bias):
-    """fp8_mm: E4M3 x E4M3 summed in float32 and scaled, against the same values multiplied in float64.
+    """fp8_mm: E4M3 x E4M3 summed and scaled, against the same values multiplied in float64.
     20 rows take the 32-token tiles, multiplied as W x^T; 40 rows the 64-token ones; K = 1000 leaves a
     partial slice. On a GPU the tensor cores add E4M3 products at reduced precision (kernels/fp8.py):
     there 1% of the largest output is allowed."""
